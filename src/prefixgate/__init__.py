@@ -1,0 +1,83 @@
+"""prefixgate: an asyncio gateway that makes vLLM's prefix cache pay off.
+
+Canonicalize prompts, key them on block-hash chains at the engine's block size, queue and order
+them, admit only what fits, and stream results back::
+
+    from prefixgate import Gateway, GatewayConfig
+
+    async with Gateway.for_vllm(engine, GatewayConfig()) as gw:
+        async for out in gw.generate(prompt, SamplingParams(max_tokens=64), tenant="acme"):
+            ...
+"""
+
+from .canonicalize import (
+    CanonicalizeConfig,
+    Canonicalized,
+    canonicalize_messages,
+    canonicalize_text,
+)
+from .clock import Clock, FakeClock, MonotonicClock
+from .config import GatewayConfig
+from .engine import Engine, EngineRequest, KvStats, SamplingCheck, Tokenizer
+from .errors import (
+    EngineDead,
+    EngineError,
+    Evicted,
+    InvalidRequest,
+    Outcome,
+    Overloaded,
+    PrefixgateError,
+    PromptTooLong,
+    QueueFull,
+    QueueTimeout,
+    RateLimited,
+    Rejected,
+    RetryableRejection,
+    ShuttingDown,
+)
+from .gateway import Gateway, ResponseStream
+from .keys import BlockHash, Namespace, block_hashes
+from .statistics import GatewayStatistics
+from .tickets import Ticket, TicketState
+from .vllm_engine import VllmEngine
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "BlockHash",
+    "CanonicalizeConfig",
+    "Canonicalized",
+    "Clock",
+    "Engine",
+    "EngineDead",
+    "EngineError",
+    "EngineRequest",
+    "Evicted",
+    "FakeClock",
+    "Gateway",
+    "GatewayConfig",
+    "GatewayStatistics",
+    "InvalidRequest",
+    "KvStats",
+    "MonotonicClock",
+    "Namespace",
+    "Outcome",
+    "Overloaded",
+    "PrefixgateError",
+    "PromptTooLong",
+    "QueueFull",
+    "QueueTimeout",
+    "RateLimited",
+    "Rejected",
+    "ResponseStream",
+    "RetryableRejection",
+    "SamplingCheck",
+    "ShuttingDown",
+    "Ticket",
+    "TicketState",
+    "Tokenizer",
+    "VllmEngine",
+    "block_hashes",
+    "canonicalize_messages",
+    "canonicalize_text",
+)

@@ -1,0 +1,169 @@
+"""The engine boundary: the narrow protocol prefixgate consumes, and the values that cross it.
+
+Anything that can generate from token ids, abort, and tell its block size, capacity and KV
+state fits: :class:`~prefixgate.vllm_engine.VllmEngine` (an in-process ``AsyncLLMEngine``),
+:class:`~prefixgate.sim.SimEngine`, or a user's fake. Engines raise prefixgate's own error
+types (:class:`~prefixgate.errors.EngineError`, :class:`~prefixgate.errors.InvalidRequest`), so
+nothing above this module knows which engine it talks to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Engine", "EngineRequest", "KvStats", "SamplingCheck", "Tokenizer"]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """The slice of a Hugging Face tokenizer that prefixgate uses."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``."""
+        ...
+
+    def apply_chat_template(
+        self, conversation: Sequence[Mapping[str, Any]], *, tokenize: bool,
+        add_generation_prompt: bool,
+    ) -> Any:
+        """Renders chat messages to the model's prompt text."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One request as the engine receives it: already tokenized, never re-tokenized.
+
+    Attributes:
+        request_id: Unique among the engine's live requests.
+        prompt_token_ids: The canonical prompt's token ids.
+        sampling_params: The engine's own sampling parameters object.
+        cache_salt: Salts the engine's prefix cache (tenant isolation); ``None`` shares it.
+        lora_request: The engine's LoRA request, or ``None``.
+        priority: Passed to engines that schedule by priority.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling_params: Any
+    cache_salt: str | None = None
+    lora_request: Any = None
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingCheck:
+    """What the gateway needs to know about a request's validated sampling parameters.
+
+    Attributes:
+        max_tokens: The requested output limit, or ``None`` when the engine decides.
+        reads_cache: ``False`` when the engine will not read the prefix cache for this request
+            (vLLM skips it when prompt logprobs are asked for).
+    """
+
+    max_tokens: int | None
+    reads_cache: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class KvStats:
+    """The engine's KV state after one scheduler step.
+
+    ``free_blocks`` counts blocks no running request holds; cached-but-unreferenced blocks are
+    free (evictable), as in vLLM's ``kv_cache_usage = 1 - free / total``. Counters are
+    cumulative since the engine started.
+
+    Attributes:
+        time: When the step was recorded, on the gateway's clock.
+        total_blocks: KV capacity in blocks.
+        free_blocks: Blocks not held by a running request.
+        running: Requests the engine is running.
+        waiting: Requests waiting inside the engine.
+        prefix_queries: Prompt tokens looked up in the prefix cache so far.
+        prefix_hits: Of those, tokens served from cache.
+        preemptions: Requests preempted so far.
+        steps: Scheduler steps recorded so far.
+    """
+
+    time: float
+    total_blocks: int
+    free_blocks: int
+    running: int = 0
+    waiting: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks held by running requests, in [0, 1]."""
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 1.0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What prefixgate needs from an inference engine.
+
+    Outputs are the engine's own objects (vLLM ``RequestOutput`` for vLLM); prefixgate reads
+    ``finished`` and ``num_cached_tokens`` from them and passes them through unchanged.
+    """
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name; part of every block key's namespace."""
+        ...
+
+    @property
+    def block_size(self) -> int:
+        """The KV block size in tokens, as configured at runtime."""
+        ...
+
+    @property
+    def num_blocks(self) -> int:
+        """KV capacity in blocks."""
+        ...
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output) the engine accepts."""
+        ...
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The engine's own tokenizer."""
+        ...
+
+    def default_sampling_params(self) -> Any:
+        """Sampling parameters used when a caller gives none."""
+        ...
+
+    def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
+        """Validates ``sampling_params`` for this engine.
+
+        Returns:
+            The facts about them that admission and cache prediction need.
+
+        Raises:
+            InvalidRequest: If the parameters are of the wrong type or out of range.
+        """
+        ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """Starts ``request`` and streams its outputs; the last one has ``finished`` set.
+
+        Raises:
+            InvalidRequest: If the engine refuses the request as malformed.
+            EngineError: If the engine fails; ``EngineDead`` if it died.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stops ``request_id`` and frees its KV blocks; a no-op for unknown or finished ids."""
+        ...
+
+    def kv_stats(self) -> KvStats | None:
+        """The latest KV state, or ``None`` if the engine has reported none yet."""
+        ...

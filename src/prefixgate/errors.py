@@ -1,0 +1,128 @@
+"""Errors that tell the caller what to do, and the outcome of every request.
+
+Three families, by what the caller should do next:
+
+* :class:`Rejected`: the request was never queued. Fix it (``InvalidRequest``,
+  ``PromptTooLong``) or retry later (``QueueFull``, ``Overloaded`` carry ``retry_after``).
+* :class:`Evicted`: the request was queued but left before the engine saw it
+  (``QueueTimeout``, ``ShuttingDown``). Retrying is safe: no tokens were produced.
+* :class:`EngineError`: the engine failed while serving it; ``__cause__`` holds the engine's
+  own exception. ``EngineDead`` means every later request will fail too.
+
+Every accepted request ends in exactly one :class:`Outcome`, which feeds the statistics.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Outcome(enum.Enum):
+    """How a request ended. Counted in :class:`~prefixgate.GatewayStatistics`."""
+
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    INVALID = "invalid"
+    TOO_LONG = "too_long"
+    QUEUE_FULL = "queue_full"
+    OVERLOADED = "overloaded"
+    RATE_LIMITED = "rate_limited"
+    QUEUE_TIMEOUT = "queue_timeout"
+    SHUTTING_DOWN = "shutting_down"
+    ENGINE_ERROR = "engine_error"
+
+
+class PrefixgateError(Exception):
+    """Base class of every error prefixgate raises."""
+
+    outcome: Outcome = Outcome.ENGINE_ERROR
+
+
+class Rejected(PrefixgateError):
+    """The request was refused before it was queued; nothing of it reached the engine."""
+
+
+class InvalidRequest(Rejected, ValueError):
+    """Raised when the prompt or its parameters are malformed: empty prompt, non-UTF-8 text,
+    bad sampling parameters, unknown tenant, duplicate request id. Do not retry unchanged."""
+
+    outcome = Outcome.INVALID
+
+
+class PromptTooLong(InvalidRequest):
+    """Raised when prompt tokens plus requested output exceed the model's context length.
+
+    Attributes:
+        num_tokens: Prompt tokens after canonicalization and tokenization, or ``None`` when the
+            prompt was refused on its character count before tokenizing it.
+        limit: The most prompt tokens accepted.
+    """
+
+    outcome = Outcome.TOO_LONG
+
+    def __init__(self, message: str, *, num_tokens: int | None, limit: int) -> None:
+        super().__init__(message)
+        self.num_tokens = num_tokens
+        self.limit = limit
+
+
+class RetryableRejection(Rejected):
+    """A refusal caused by load, not by the request. Retry after ``retry_after`` seconds.
+
+    Attributes:
+        retry_after: Seconds after which a retry is likely to be accepted (an estimate from
+            the recent drain rate), never negative.
+        reason: A short machine-readable reason, counted in statistics.
+    """
+
+    def __init__(self, message: str, *, retry_after: float, reason: str) -> None:
+        super().__init__(message)
+        self.retry_after = max(0.0, retry_after)
+        self.reason = reason
+
+
+class QueueFull(RetryableRejection):
+    """Raised when the gateway's bounded waiting queue is at its configured length."""
+
+    outcome = Outcome.QUEUE_FULL
+
+
+class Overloaded(RetryableRejection):
+    """Raised when admitting the request would push the engine's free KV blocks below the
+    watermark (or the engine's KV state is unknown or stale)."""
+
+    outcome = Outcome.OVERLOADED
+
+
+class RateLimited(RetryableRejection):
+    """Raised by the non-blocking submit path when the tenant's request rate is exhausted."""
+
+    outcome = Outcome.RATE_LIMITED
+
+
+class Evicted(PrefixgateError):
+    """The request was queued but removed before the engine started it. Safe to retry."""
+
+
+class QueueTimeout(Evicted):
+    """Raised when a queued request waited longer than ``queue_timeout`` to be dispatched."""
+
+    outcome = Outcome.QUEUE_TIMEOUT
+
+
+class ShuttingDown(Evicted):
+    """Raised for requests still queued (or submitted) while the gateway closes."""
+
+    outcome = Outcome.SHUTTING_DOWN
+
+
+class EngineError(PrefixgateError):
+    """Raised when the engine failed while serving the request; ``__cause__`` is the engine's
+    own exception. Output already streamed stays valid; the request will produce no more."""
+
+    outcome = Outcome.ENGINE_ERROR
+
+
+class EngineDead(EngineError):
+    """Raised when the engine process has died. Every later request fails the same way until
+    a new engine is started."""

@@ -1,0 +1,98 @@
+"""Counters kept by the gateway, and the frozen snapshot that :meth:`Gateway.statistics` returns."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .engine import KvStats
+from .errors import Outcome
+from .tickets import Ticket
+
+__all__ = ["GatewayStatistics", "StatsRecorder"]
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayStatistics:
+    """A point-in-time snapshot of a gateway. Counters are cumulative since it started.
+
+    Attributes:
+        requests: Requests accepted at ingress and queued.
+        refused: Requests refused at ingress (never queued), by outcome name.
+        outcomes: Accepted requests that ended, by outcome name (``completed``, ``cancelled``…).
+        canonicalized: Accepted requests whose prompt canonicalization changed.
+        chars_removed: Characters removed by canonicalization, summed.
+        queued: Requests waiting for dispatch now.
+        running: Requests the engine is serving now.
+        prompt_tokens: Prompt tokens of completed requests.
+        predicted_hit_tokens: Cache-hit tokens the gateway predicted for completed requests.
+        engine_cached_tokens: Cache-hit tokens the engine reported for completed requests.
+        kv: The engine's latest KV state, or ``None``.
+    """
+
+    requests: int = 0
+    refused: Mapping[str, int] = field(default_factory=dict)
+    outcomes: Mapping[str, int] = field(default_factory=dict)
+    canonicalized: int = 0
+    chars_removed: int = 0
+    queued: int = 0
+    running: int = 0
+    prompt_tokens: int = 0
+    predicted_hit_tokens: int = 0
+    engine_cached_tokens: int = 0
+    kv: KvStats | None = None
+
+    @property
+    def hit_rate(self) -> float:
+        """Engine-reported cached tokens over prompt tokens, for completed requests."""
+        return self.engine_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def completed(self) -> int:
+        """Requests that completed."""
+        return self.outcomes.get(Outcome.COMPLETED.value, 0)
+
+
+class StatsRecorder:
+    """The mutable counters behind :class:`GatewayStatistics`. Updated only by the gateway."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.refused: Counter[str] = Counter()
+        self.outcomes: Counter[str] = Counter()
+        self.canonicalized = 0
+        self.chars_removed = 0
+        self.prompt_tokens = 0
+        self.predicted_hit_tokens = 0
+        self.engine_cached_tokens = 0
+
+    def refuse(self, outcome: Outcome) -> None:
+        self.refused[outcome.value] += 1
+
+    def accept(self, ticket: Ticket) -> None:
+        self.requests += 1
+        self.canonicalized += ticket.canonicalized
+        self.chars_removed += ticket.chars_removed
+
+    def end(self, ticket: Ticket) -> None:
+        assert ticket.outcome is not None
+        self.outcomes[ticket.outcome.value] += 1
+        if ticket.outcome is Outcome.COMPLETED and ticket.cached_tokens is not None:
+            self.prompt_tokens += ticket.num_prompt_tokens
+            self.predicted_hit_tokens += ticket.predicted_hit_tokens or 0
+            self.engine_cached_tokens += ticket.cached_tokens
+
+    def snapshot(self, *, queued: int, running: int, kv: KvStats | None) -> GatewayStatistics:
+        return GatewayStatistics(
+            requests=self.requests, refused=MappingProxyType(dict(self.refused)),
+            outcomes=MappingProxyType(dict(self.outcomes)), canonicalized=self.canonicalized,
+            chars_removed=self.chars_removed, queued=queued, running=running,
+            prompt_tokens=self.prompt_tokens, predicted_hit_tokens=self.predicted_hit_tokens,
+            engine_cached_tokens=self.engine_cached_tokens, kv=kv,
+        )
+
+    def __repr__(self) -> str:
+        return (f"StatsRecorder(requests={self.requests}, ended={sum(self.outcomes.values())}, "
+                f"refused={sum(self.refused.values())})")

@@ -1,0 +1,168 @@
+"""Fakes for testing code that uses prefixgate: a byte tokenizer, a fake engine, a fake clock.
+
+:class:`FakeEngine` implements :class:`~prefixgate.engine.Engine` with a toy prefix cache (no
+eviction, no scheduler) and hooks for fault injection. It is for unit tests of *your* code; the
+faithful simulator of vLLM is :class:`prefixgate.sim.SimEngine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .clock import FakeClock
+from .engine import EngineRequest, KvStats, SamplingCheck
+from .errors import EngineDead, EngineError, InvalidRequest
+
+__all__ = ["ByteTokenizer", "FakeClock", "FakeCompletion", "FakeEngine", "FakeOutput",
+           "FakeSamplingParams"]
+
+
+class ByteTokenizer:
+    """Token id = UTF-8 byte + 2 (0 is BOS, 1 is EOS). Encodes any text; no BOS is added."""
+
+    bos_token_id = 0
+    eos_token_id = 1
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [b + 2 for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i - 2 for i in ids if i >= 2).decode("utf-8", "replace")
+
+    def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]], *, tokenize: bool,
+                            add_generation_prompt: bool) -> Any:
+        text = "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in conversation)
+        text += "<assistant>" if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
+
+
+@dataclass(frozen=True, slots=True)
+class FakeSamplingParams:
+    """Sampling parameters for :class:`FakeEngine`: only ``max_tokens`` matters."""
+
+    max_tokens: int | None = 16
+
+
+@dataclass(frozen=True, slots=True)
+class FakeCompletion:
+    """Mirrors vLLM's ``CompletionOutput`` fields that prefixgate and tests read."""
+
+    token_ids: tuple[int, ...]
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FakeOutput:
+    """Mirrors vLLM's ``RequestOutput`` fields that prefixgate and tests read."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[FakeCompletion, ...]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class FakeEngine:
+    """An :class:`~prefixgate.engine.Engine` that echoes token ``7`` ``max_tokens`` times.
+
+    Its cache remembers every full block it has seen (by tuple of all tokens up to the block's
+    end), never evicts, and reports ``num_cached_tokens`` as vLLM would. Each output waits for
+    ``step`` (an ``asyncio.Event`` tests can hold) or yields to the loop once.
+
+    Attributes:
+        running: Request ids currently generating.
+        aborted: Request ids aborted, in order.
+        started: Request ids started, in order.
+        fail_after: If set, a request raises ``EngineError`` after this many outputs.
+        die_after: If set, the engine dies (``EngineDead``) after this many outputs in total.
+        refuse: If set, ``generate`` raises ``InvalidRequest`` with this message.
+    """
+
+    block_size: int = 4
+    num_blocks: int = 1024
+    max_model_len: int = 4096
+    model_name: str = "fake-model"
+    tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
+    step: asyncio.Event | None = None
+    fail_after: int | None = None
+    die_after: int | None = None
+    refuse: str | None = None
+    running: set[str] = field(default_factory=set)
+    aborted: list[str] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)
+    requests: list[EngineRequest] = field(default_factory=list)
+    _cache: set[tuple[Any, ...]] = field(default_factory=set)
+    _outputs: int = 0
+    _dead: bool = False
+    _stats: KvStats | None = None
+
+    def default_sampling_params(self) -> FakeSamplingParams:
+        return FakeSamplingParams()
+
+    def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
+        if not isinstance(sampling_params, FakeSamplingParams):
+            raise InvalidRequest("FakeEngine takes FakeSamplingParams")
+        if sampling_params.max_tokens is not None and sampling_params.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1")
+        return SamplingCheck(max_tokens=sampling_params.max_tokens)
+
+    def kv_stats(self) -> KvStats | None:
+        return self._stats
+
+    def set_kv_stats(self, stats: KvStats) -> None:
+        """Sets what :meth:`kv_stats` returns."""
+        self._stats = stats
+
+    def _hit_tokens(self, ids: tuple[int, ...], salt: str | None) -> int:
+        hits = 0
+        for end in range(self.block_size, len(ids), self.block_size):  # last token recomputed
+            if (salt, ids[:end]) not in self._cache:
+                break
+            hits = end
+        for end in range(self.block_size, len(ids) + 1, self.block_size):
+            self._cache.add((salt, ids[:end]))
+        return hits
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[FakeOutput]:
+        if self._dead:
+            raise EngineDead("fake engine is dead")
+        if self.refuse is not None:
+            raise InvalidRequest(self.refuse)
+        ids = tuple(request.prompt_token_ids)
+        self.requests.append(request)
+        self.started.append(request.request_id)
+        self.running.add(request.request_id)
+        hits = self._hit_tokens(ids, request.cache_salt)
+        n = request.sampling_params.max_tokens or 16
+        out: tuple[int, ...] = ()
+        try:
+            for i in range(n):
+                if self.step is not None:
+                    await self.step.wait()
+                else:
+                    await asyncio.sleep(0)
+                if request.request_id not in self.running:  # aborted meanwhile
+                    return
+                self._outputs += 1
+                if self.die_after is not None and self._outputs > self.die_after:
+                    self._dead = True
+                    raise EngineDead("fake engine died")
+                if self.fail_after is not None and i >= self.fail_after:
+                    raise EngineError("fake engine failed")
+                out += (7,)
+                done = i == n - 1
+                yield FakeOutput(request.request_id, ids,
+                                 (FakeCompletion(out, finish_reason="length" if done else None),),
+                                 done, hits)
+        finally:
+            self.running.discard(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            self.running.discard(request_id)
+        self.aborted.append(request_id)

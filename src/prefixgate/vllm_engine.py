@@ -1,0 +1,238 @@
+"""The vLLM adapter: an in-process ``AsyncLLMEngine`` behind prefixgate's :class:`Engine`.
+
+Works on vLLM 0.26 through 0.32 through their public surface only: ``generate`` with a
+``TokensPrompt`` (so the prompt is tokenized once, by us, with the engine's own tokenizer),
+``abort``, ``get_tokenizer``, ``vllm_config`` and a ``StatLoggerBase`` factory for per-step KV
+stats. Engine exceptions are translated here into prefixgate's error types.
+
+vLLM is imported lazily: importing prefixgate never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from .clock import Clock, MonotonicClock
+from .engine import EngineRequest, KvStats, SamplingCheck, Tokenizer
+from .errors import EngineDead, EngineError, InvalidRequest, PrefixgateError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm import AsyncEngineArgs
+
+__all__ = ["VllmEngine"]
+
+log = logging.getLogger(__name__)
+
+
+class _KvStatsFeed:
+    """Accumulates vLLM's per-step scheduler stats into one :class:`KvStats`.
+
+    vLLM reports prefix-cache queries/hits and preemptions *per interval*; this sums them.
+    ``record`` runs in the engine's output-handler task, on the same event loop as the gateway.
+    """
+
+    def __init__(self, total_blocks: int, clock: Clock) -> None:
+        self.total_blocks = total_blocks
+        self.clock = clock
+        self.latest: KvStats | None = None
+        self.queries = self.hits = self.preemptions = self.steps = 0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if iteration_stats is not None:
+            self.preemptions += getattr(iteration_stats, "num_preempted_reqs", 0) or 0
+        if scheduler_stats is None:
+            return
+        pcs = getattr(scheduler_stats, "prefix_cache_stats", None)
+        if pcs is not None:
+            self.queries += pcs.queries
+            self.hits += pcs.hits
+        self.steps += 1
+        usage = min(1.0, max(0.0, float(scheduler_stats.kv_cache_usage)))
+        self.latest = KvStats(
+            time=self.clock.now(),
+            total_blocks=self.total_blocks,
+            free_blocks=round((1.0 - usage) * self.total_blocks),
+            running=scheduler_stats.num_running_reqs,
+            waiting=scheduler_stats.num_waiting_reqs,
+            prefix_queries=self.queries,
+            prefix_hits=self.hits,
+            preemptions=self.preemptions,
+            steps=self.steps,
+        )
+
+    def logger_factory(self) -> Any:
+        """A ``StatLoggerFactory`` for ``AsyncLLMEngine.from_engine_args(stat_loggers=[...])``."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        feed = self
+
+        class PrefixgateStatLogger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                self.engine_index = engine_index
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any,
+                       mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+                feed.record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return PrefixgateStatLogger
+
+
+class VllmEngine:
+    """Adapts a vLLM ``AsyncLLMEngine`` (``AsyncLLM``) to prefixgate's :class:`Engine`.
+
+    Build it with :meth:`from_engine_args` so KV stats are wired in from the start, or wrap an
+    engine you built yourself (stats are then attached to its logger manager when the vLLM
+    version allows, else :meth:`kv_stats` stays ``None``).
+
+    Args:
+        engine: A running ``AsyncLLMEngine`` with prefix caching on.
+        clock: Clock used to timestamp KV stats.
+        feed: Internal; set by :meth:`from_engine_args`.
+
+    Raises:
+        ValueError: If the engine was built without prefix caching.
+    """
+
+    def __init__(self, engine: Any, *, clock: Clock | None = None,
+                 feed: _KvStatsFeed | None = None) -> None:
+        self._engine = engine
+        cfg = engine.vllm_config
+        if not cfg.cache_config.enable_prefix_caching:
+            raise ValueError("VllmEngine needs an engine built with enable_prefix_caching=True")
+        self._block_size = int(cfg.cache_config.block_size)
+        self._num_blocks = int(cfg.cache_config.num_gpu_blocks or 0)
+        self._max_model_len = int(cfg.model_config.max_model_len)
+        self._model_name = str(cfg.model_config.served_model_name or cfg.model_config.model)
+        self._tokenizer = engine.get_tokenizer()
+        self._feed = feed or _KvStatsFeed(self._num_blocks, clock or MonotonicClock())
+        if feed is None:
+            self._attach_feed()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: AsyncEngineArgs, *,
+                         clock: Clock | None = None) -> VllmEngine:
+        """Starts an ``AsyncLLMEngine`` with prefixgate's stat logger and wraps it.
+
+        Prefix caching is switched on if the arguments leave it unset.
+
+        Args:
+            engine_args: vLLM's engine arguments.
+            clock: Clock used to timestamp KV stats.
+        """
+        from vllm import AsyncLLMEngine
+
+        if engine_args.enable_prefix_caching is None:
+            engine_args.enable_prefix_caching = True
+        feed = _KvStatsFeed(0, clock or MonotonicClock())
+        engine = AsyncLLMEngine.from_engine_args(engine_args, stat_loggers=[feed.logger_factory()])
+        feed.total_blocks = int(engine.vllm_config.cache_config.num_gpu_blocks or 0)
+        return cls(engine, clock=clock, feed=feed)
+
+    def _attach_feed(self) -> None:
+        # Not a stable vLLM interface: guarded, and harmless when it does not fit.
+        try:
+            from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter
+
+            manager = self._engine.logger_manager
+            manager.stat_loggers.append(PerEngineStatLoggerAdapter(
+                vllm_config=self._engine.vllm_config,
+                engine_indexes=manager.engine_indexes,
+                per_engine_stat_logger_factory=self._feed.logger_factory(),
+            ))
+        except Exception as e:
+            log.warning("prefixgate: could not attach KV stats to this vLLM engine (%s); build it "
+                        "with VllmEngine.from_engine_args for KV-aware admission", e)
+
+    @property
+    def vllm_engine(self) -> Any:
+        """The wrapped ``AsyncLLMEngine``."""
+        return self._engine
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    def default_sampling_params(self) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams()
+
+    def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
+        from vllm import SamplingParams
+
+        if not isinstance(sampling_params, SamplingParams):
+            raise InvalidRequest(
+                f"sampling_params must be vllm.SamplingParams, not {type(sampling_params).__name__}")
+        max_tokens = sampling_params.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}")
+        skip = getattr(sampling_params, "skip_reading_prefix_cache", None)
+        if skip is None:  # vLLM skips the cache when prompt logprobs are requested
+            skip = sampling_params.prompt_logprobs is not None
+        return SamplingCheck(max_tokens=max_tokens, reads_cache=not skip)
+
+    def kv_stats(self) -> KvStats | None:
+        return self._feed.latest
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
+        started = finished = False
+        try:
+            async for out in self._engine.generate(
+                prompt, request.sampling_params, request.request_id,
+                lora_request=request.lora_request, priority=request.priority,
+            ):
+                started = True
+                finished = bool(out.finished)
+                yield out
+        except PrefixgateError:
+            raise
+        except EngineDeadError as e:
+            raise EngineDead(f"vLLM engine died serving {request.request_id}") from e
+        except (ValueError, TypeError) as e:
+            if started:
+                raise EngineError(f"vLLM failed mid-stream on {request.request_id}: {e}") from e
+            raise InvalidRequest(f"vLLM refused {request.request_id}: {e}") from e
+        except Exception as e:
+            raise EngineError(f"vLLM failed on {request.request_id}: {e}") from e
+        finally:
+            if not finished and not self._engine.errored:
+                await self._engine.abort(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if not self._engine.errored:
+            await self._engine.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Shuts the wrapped engine down (its worker processes included)."""
+        self._engine.shutdown()
+
+    def __repr__(self) -> str:
+        return (f"VllmEngine(model={self._model_name!r}, block_size={self._block_size}, "
+                f"num_blocks={self._num_blocks}, max_model_len={self._max_model_len})")
