@@ -225,7 +225,8 @@ class Gateway:
         if ticket.granted.done() or self.config.queue_timeout is None:
             await ticket.granted
             return
-        expiry = asyncio.ensure_future(self.clock.sleep(self.config.queue_timeout))
+        deadline = ticket.arrival + self.config.queue_timeout
+        expiry = asyncio.ensure_future(self.clock.sleep(deadline - self.clock.now()))
         try:
             await asyncio.wait({ticket.granted, expiry}, return_when=asyncio.FIRST_COMPLETED)
         finally:

