@@ -10,6 +10,7 @@ vLLM is imported lazily: importing prefixgate never imports vLLM.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,15 @@ class _KvStatsFeed:
                 pass
 
         return PrefixgateStatLogger
+
+
+class _ShutDownEngine:
+    """Stands in for the vLLM engine after :meth:`VllmEngine.shutdown`: every call fails typed."""
+
+    errored = True
+
+    def __getattr__(self, name: str) -> Any:
+        raise EngineDead("the vLLM engine was shut down")
 
 
 class VllmEngine:
@@ -235,8 +245,13 @@ class VllmEngine:
             await self._engine.abort(request_id)
 
     def shutdown(self) -> None:
-        """Shuts the wrapped engine down (its worker processes included)."""
-        self._engine.shutdown()
+        """Shuts the wrapped engine down (its worker processes included). Idempotent."""
+        engine, self._engine = self._engine, _ShutDownEngine()
+        if not isinstance(engine, _ShutDownEngine):
+            engine.shutdown()
+            # Drop vLLM's engine now: collected at interpreter exit, its __del__ raises.
+            del engine
+            gc.collect()
 
     def __repr__(self) -> str:
         return (f"VllmEngine(model={self._model_name!r}, block_size={self._block_size}, "
