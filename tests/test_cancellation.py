@@ -90,7 +90,7 @@ async def test_an_abandoned_stream_is_aborted_when_collected():
 
 async def test_cancelling_while_queued_dequeues_without_touching_the_engine():
     engine = FakeEngine(step=asyncio.Event())
-    gw = Gateway(engine, GatewayConfig(max_in_flight=1))
+    gw = Gateway(engine, GatewayConfig(ordering="fcfs", max_in_flight=1))
     first = asyncio.create_task(gw.generate("first", SP, request_id="a").__anext__())
     queued = asyncio.create_task(gw.generate("second", SP, request_id="b").__anext__())
     await spin()

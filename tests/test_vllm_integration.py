@@ -123,8 +123,8 @@ async def test_whitespace_noise_hit_rate_reaches_the_ceiling_only_through_prefix
     bare_cached = bare_total = 0
     for i, prompt in enumerate(dirty):
         ids = tok.encode(prompt)
-        async for out in vllm_engine.generate(EngineRequest(f"bare-{i}", ids, sp())):
-            pass
+        outs = [o async for o in vllm_engine.generate(EngineRequest(f"bare-{i}", ids, sp()))]
+        out = outs[-1]
         bare_cached += out.num_cached_tokens
         bare_total += len(ids)
 

@@ -2,38 +2,79 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from .canonicalize import CanonicalizeConfig
 
-__all__ = ["GatewayConfig"]
+__all__ = ["GatewayConfig", "TenantLimits"]
 
 
-def _positive_or_none(name: str, value: float | None) -> None:
-    if value is not None and value <= 0:
-        raise ValueError(f"GatewayConfig.{name} must be positive or None, got {value!r}")
+def _check(name: str, ok: bool, value: object, want: str) -> None:
+    if not ok:
+        raise ValueError(f"GatewayConfig.{name} must be {want}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """What one tenant may use. ``None`` means unlimited.
+
+    Attributes:
+        rate: Requests per second admitted for the tenant (a sliding one-second window, via
+            asyncio-throttle). The blocking path waits for the window; ``try_generate`` raises
+            ``RateLimited``.
+        max_in_flight_share: The largest share of the in-flight window the tenant may hold
+            while other tenants wait (work-conserving: with nobody else waiting it may use more).
+    """
+
+    rate: float | None = None
+    max_in_flight_share: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError(f"TenantLimits.rate must be positive or None, got {self.rate!r}")
+        share = self.max_in_flight_share
+        if share is not None and not 0 < share <= 1:
+            raise ValueError(f"TenantLimits.max_in_flight_share must be in (0, 1], got {share!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """How a :class:`~prefixgate.Gateway` treats requests. Every field has a safe default.
 
-    Attributes:
+    Ingress:
         canonicalize: Whitespace rules applied to every prompt (see ``canonicalize.py``).
         key_seed: Seed of every block-key digest.
         model_name: Overrides the engine's model name in block-key namespaces.
         isolate_tenants: Give each tenant its own prefix-cache namespace (vLLM ``cache_salt``),
             so one tenant cannot time another's prompts. ``False`` shares the cache.
-        known_tenants: If set, a request naming any other tenant is refused with
-            ``InvalidRequest``; ``None`` accepts any tenant.
-        max_queue_len: The most requests waiting for dispatch; more are refused (``QueueFull``).
-        max_in_flight: The most requests handed to the engine at once; ``None`` for no cap.
-        max_prompt_tokens: Refuse prompts longer than this (``PromptTooLong``) even when the
-            model would take them; ``None`` leaves only the model's limit.
-        queue_timeout: Seconds a request may wait for dispatch before ``QueueTimeout``;
-            ``None`` waits indefinitely.
-        ordering: Name of the ordering policy for the waiting queue.
+        known_tenants: If set, a request naming any other tenant is refused (``InvalidRequest``).
+        max_prompt_tokens: Refuse longer prompts (``PromptTooLong``) even if the model takes them.
+
+    Queueing:
+        ordering: The waiting queue's policy: ``"prefix"`` (siblings together, the default),
+            ``"fcfs"`` or ``"priority"``.
+        max_queue_len: The most requests waiting; more are refused with ``QueueFull``.
+        queue_timeout: Seconds a request may wait before ``QueueTimeout``; ``None``: no limit.
+        max_wait_factor: Aging bound: a request that has waited longer than this many times the
+            median recent wait is dispatched before anything newer.
+        min_aging_wait: Waits below this many seconds never trigger aging.
+        tenants: Per-tenant :class:`TenantLimits`; others get ``default_tenant_limits``.
+        default_tenant_limits: Limits for tenants not listed (and for ``tenant=None``).
+
+    Admission:
+        max_in_flight: The most requests handed to the engine at once; ``None`` uses the
+            engine's ``max_num_seqs`` when it has one.
+        kv_budget: Share of the engine's KV blocks that in-flight reservations may take.
+        output_reserve: Share of ``max_tokens`` reserved in KV blocks for output. 1.0 means an
+            admitted request can never be preempted for lack of blocks.
+        default_output_tokens: Output tokens reserved when a request sets no ``max_tokens``.
+        kv_watermark: Share of the engine's KV blocks always kept free.
+        stats_max_age: Engine KV stats older than this many seconds count as "full".
+        max_queue_wait: If set, a request whose predicted queue wait (from the recent drain
+            rate) exceeds this many seconds is refused at once with ``Overloaded`` and a
+            ``retry_after``, instead of joining a queue it would wait in too long.
     """
 
     canonicalize: CanonicalizeConfig = field(default_factory=CanonicalizeConfig)
@@ -41,28 +82,50 @@ class GatewayConfig:
     model_name: str | None = None
     isolate_tenants: bool = True
     known_tenants: frozenset[str] | None = None
-    max_queue_len: int = 10_000
-    max_in_flight: int | None = None
     max_prompt_tokens: int | None = None
+    ordering: str = "prefix"
+    max_queue_len: int = 10_000
     queue_timeout: float | None = None
-    ordering: str = "fcfs"
+    max_wait_factor: float = 1.5
+    min_aging_wait: float = 0.05
+    tenants: Mapping[str, TenantLimits] = field(default_factory=dict)
+    default_tenant_limits: TenantLimits = field(default_factory=TenantLimits)
+    max_in_flight: int | None = None
+    kv_budget: float = 1.0
+    output_reserve: float = 1.0
+    default_output_tokens: int = 512
+    kv_watermark: float = 0.01
+    stats_max_age: float = 2.0
+    max_queue_wait: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.canonicalize, CanonicalizeConfig):
-            raise ValueError("GatewayConfig.canonicalize must be a CanonicalizeConfig")
-        if not 0 <= self.key_seed < 2**64:
-            raise ValueError(f"GatewayConfig.key_seed must be in [0, 2**64), got {self.key_seed}")
-        if self.max_queue_len < 1:
-            raise ValueError(f"GatewayConfig.max_queue_len must be >= 1, got {self.max_queue_len}")
-        _positive_or_none("max_in_flight", self.max_in_flight)
-        _positive_or_none("max_prompt_tokens", self.max_prompt_tokens)
-        _positive_or_none("queue_timeout", self.queue_timeout)
+        _check("canonicalize", isinstance(self.canonicalize, CanonicalizeConfig), self.canonicalize,
+               "a CanonicalizeConfig")
+        _check("key_seed", 0 <= self.key_seed < 2**64, self.key_seed, "in [0, 2**64)")
+        _check("max_queue_len", self.max_queue_len >= 1, self.max_queue_len, ">= 1")
+        for name in ("max_in_flight", "max_prompt_tokens", "queue_timeout", "max_queue_wait"):
+            value = getattr(self, name)
+            _check(name, value is None or value > 0, value, "positive or None")
+        _check("max_wait_factor", self.max_wait_factor >= 1, self.max_wait_factor, ">= 1")
+        _check("min_aging_wait", self.min_aging_wait >= 0, self.min_aging_wait, ">= 0")
+        _check("kv_budget", 0 < self.kv_budget <= 1, self.kv_budget, "in (0, 1]")
+        _check("output_reserve", 0 <= self.output_reserve <= 1, self.output_reserve, "in [0, 1]")
+        _check("default_output_tokens", self.default_output_tokens >= 1, self.default_output_tokens,
+               ">= 1")
+        _check("kv_watermark", 0 <= self.kv_watermark < 1, self.kv_watermark, "in [0, 1)")
+        _check("stats_max_age", self.stats_max_age > 0, self.stats_max_age, "positive")
         if self.known_tenants is not None:
-            if isinstance(self.known_tenants, str) or not isinstance(self.known_tenants, Iterable):
-                raise ValueError("GatewayConfig.known_tenants must be a set of tenant names")
+            _check("known_tenants", not isinstance(self.known_tenants, str)
+                   and isinstance(self.known_tenants, Iterable), self.known_tenants,
+                   "a set of tenant names")
             object.__setattr__(self, "known_tenants", frozenset(self.known_tenants))
+        _check("tenants", isinstance(self.tenants, Mapping) and all(
+            isinstance(k, str) and isinstance(v, TenantLimits) for k, v in self.tenants.items()),
+            self.tenants, "a mapping of tenant name to TenantLimits")
+        object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
+        _check("default_tenant_limits", isinstance(self.default_tenant_limits, TenantLimits),
+               self.default_tenant_limits, "a TenantLimits")
         from .queueing import ORDERING_POLICIES
 
-        if self.ordering not in ORDERING_POLICIES:
-            raise ValueError(f"GatewayConfig.ordering must be one of {sorted(ORDERING_POLICIES)}, "
-                             f"got {self.ordering!r}")
+        _check("ordering", self.ordering in ORDERING_POLICIES, self.ordering,
+               f"one of {sorted(ORDERING_POLICIES)}")

@@ -14,24 +14,29 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from .admission import Admission, BlockLedger
 from .clock import Clock, MonotonicClock
 from .config import GatewayConfig
 from .engine import Engine, EngineRequest
 from .errors import (
     EngineDead,
     EngineError,
+    InvalidRequest,
     Outcome,
+    Overloaded,
     PrefixgateError,
     QueueTimeout,
+    RateLimited,
     Rejected,
     ShuttingDown,
 )
 from .ingress import Ingress, Prompt
 from .keys import block_hashes
 from .mirror import PrefixMirror
-from .queueing import ORDERING_POLICIES, Scheduler, WaitingQueue
+from .queueing import ORDERING_POLICIES, Scheduler
+from .ratelimit import TenantThrottle
 from .statistics import GatewayStatistics, StatsRecorder
-from .tickets import Ticket
+from .tickets import Ticket, TicketState
 
 __all__ = ["Gateway", "ResponseStream"]
 
@@ -49,6 +54,15 @@ class ResponseStream(AsyncIterator[Any]):
         self._gateway = gateway
         self._ticket = ticket
         self._agen: AsyncGenerator[Any, None] | None = None
+        self._admitted = False
+
+    def _dispatched_early(self) -> None:
+        self._admitted = True  # try_generate: already holds its slot and reservation
+
+    def __del__(self) -> None:
+        # A try_generate stream dropped without being iterated must not keep its reservation.
+        if self._admitted and self._agen is None and self._ticket.state is TicketState.RUNNING:
+            self._gateway._abandon(self._ticket)
 
     @property
     def request_id(self) -> str:
@@ -75,13 +89,15 @@ class ResponseStream(AsyncIterator[Any]):
 
     async def __anext__(self) -> Any:
         if self._agen is None:
-            self._agen = self._gateway._serve(self._ticket)
+            self._agen = self._gateway._serve(self._ticket, admitted=self._admitted)
         return await self._agen.__anext__()
 
     async def aclose(self) -> None:
         """Ends the stream: aborts the engine request if running, dequeues it if waiting."""
         if self._agen is not None:
             await self._agen.aclose()
+        elif self._admitted and self._ticket.state is TicketState.RUNNING:
+            self._gateway._abandon(self._ticket)
 
     async def __aenter__(self) -> ResponseStream:
         return self
@@ -110,11 +126,24 @@ class Gateway:
         self.engine = engine
         self.config = config or GatewayConfig()
         self.clock = clock or MonotonicClock()
-        self._ingress = Ingress(engine, self.config, self.clock)
-        policy = ORDERING_POLICIES[self.config.ordering]()
-        self._scheduler = Scheduler(WaitingQueue(policy, self.config.max_queue_len),
-                                    self.config.max_in_flight)
+        config = self.config
+        self._ingress = Ingress(engine, config, self.clock)
         self._mirror = PrefixMirror(engine.num_blocks)
+        capacity = int(engine.num_blocks * config.kv_budget)
+        self._admission = Admission(
+            BlockLedger(capacity), block_size=engine.block_size,
+            output_reserve=config.output_reserve,
+            default_output_tokens=config.default_output_tokens,
+            watermark_blocks=int(engine.num_blocks * config.kv_watermark),
+            stats_max_age=config.stats_max_age, kv_stats=engine.kv_stats, clock=self.clock)
+        max_in_flight = config.max_in_flight or getattr(engine, "max_num_seqs", None)
+        self._scheduler = Scheduler(
+            ORDERING_POLICIES[config.ordering](), admission=self._admission, mirror=self._mirror,
+            clock=self.clock, max_queue_len=config.max_queue_len, max_in_flight=max_in_flight,
+            max_wait_factor=config.max_wait_factor, min_aging_wait=config.min_aging_wait,
+            tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits)
+        self._throttles: dict[str | None, TenantThrottle] = {}
+        self._pump_scheduled = False
         self._stats = StatsRecorder()
         self._live: dict[str, Ticket] = {}
         self._closing = False
@@ -184,18 +213,77 @@ class Gateway:
             raise
         return ResponseStream(self, ticket)
 
+    def try_generate(self, prompt: Prompt, sampling_params: Any = None, *,
+                     tenant: str | None = None, request_id: str | None = None,
+                     lora_request: Any = None, priority: int = 0) -> ResponseStream:
+        """The non-blocking twin of :meth:`generate`: dispatches now or raises, never queues.
+
+        The returned stream already holds its engine slot and KV reservation; iterate it (or
+        ``aclose()`` it) promptly. Takes the same arguments as :meth:`generate`.
+
+        Raises:
+            Overloaded: The request does not fit now (reason: ``kv_reserved``, ``kv_free_low``,
+                ``kv_stats_stale``, ``max_in_flight`` or ``queued_ahead``); see ``retry_after``.
+            RateLimited: The tenant's request rate is used up.
+            Everything :meth:`generate` raises.
+        """
+        stream = self.generate(prompt, sampling_params, tenant=tenant, request_id=request_id,
+                               lora_request=lora_request, priority=priority)
+        ticket = stream.ticket
+        try:
+            throttle = self._throttle(ticket.tenant)
+            if throttle is not None and not throttle.try_acquire():
+                raise RateLimited(f"tenant {ticket.tenant!r} is over its request rate",
+                                  retry_after=throttle.retry_after(), reason="rate_limited")
+            if self._scheduler.num_waiting:
+                raise self._overloaded("queued_ahead")
+            self._scheduler.enqueue(ticket)
+            self._pump_now()
+            if ticket.state is not TicketState.RUNNING:
+                self._scheduler.finish(ticket)
+                ticket.state = TicketState.NEW
+                raise self._overloaded(self._scheduler.blocked or "kv_reserved")
+        except Rejected as e:
+            self._stats.refuse(e.outcome, getattr(e, "reason", None))
+            raise
+        self._stats.accept(ticket)
+        self._live[ticket.request_id] = ticket
+        stream._dispatched_early()
+        return stream
+
+    def can_admit(self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
+                  lora_request: Any = None) -> bool:
+        """Whether :meth:`try_generate` with these arguments would be dispatched now. Pure."""
+        try:
+            ticket = self._ingress.make_ticket(prompt, sampling_params, tenant=tenant,
+                                               lora_request=lora_request)
+        except PrefixgateError:
+            return False
+        throttle = self._throttle(ticket.tenant)
+        if self._closing or self._scheduler.num_waiting or (
+                throttle is not None and throttle.retry_after() > 0):
+            return False
+        if self._scheduler.max_in_flight is not None and (
+                len(self._scheduler.running) >= self._scheduler.max_in_flight):
+            return False
+        hits = self._mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
+        return self._admission.fits(self._admission.need(ticket, hits))
+
     def statistics(self) -> GatewayStatistics:
         """A frozen snapshot of the gateway's counters and the engine's latest KV state."""
-        return self._stats.snapshot(queued=len(self._scheduler.queue),
-                                    running=len(self._scheduler.running),
-                                    kv=self.engine.kv_stats())
+        return self._stats.snapshot(
+            queued=self._scheduler.num_waiting, running=len(self._scheduler.running),
+            kv=self.engine.kv_stats(), reserved_blocks=self._admission.ledger.reserved,
+            median_wait=self._scheduler.median_wait(),
+            aged_dispatches=self._scheduler.aged_dispatches, blocked=self._scheduler.blocked)
 
     async def aclose(self, *, timeout: float | None = None) -> None:
         """Stops accepting requests, ends queued ones with ``ShuttingDown``, and waits up to
         ``timeout`` seconds (forever when ``None``) for running ones, then aborts what is left.
         """
         self._closing = True
-        while (ticket := self._scheduler.queue.pop()) is not None:
+        for ticket in list(self._scheduler.by_age):
+            self._scheduler.finish(ticket)
             if ticket.granted is not None and not ticket.granted.done():
                 ticket.granted.set_exception(ShuttingDown("gateway is shutting down"))
         if self._scheduler.running:
@@ -210,15 +298,48 @@ class Gateway:
 
     def _check_unique(self, request_id: str) -> None:
         if request_id in self._live:
-            from .errors import InvalidRequest
-
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
 
-    def _pump(self) -> None:
-        """Carries out the scheduler's decisions: grants the tickets it releases."""
-        for ticket in self._scheduler.next_batch():
-            if ticket.granted is not None and not ticket.granted.done():
-                ticket.granted.set_result(None)
+    def _throttle(self, tenant: str | None) -> TenantThrottle | None:
+        limits = self.config.tenants.get(tenant, self.config.default_tenant_limits) if tenant \
+            else self.config.default_tenant_limits
+        if limits.rate is None:
+            return None
+        throttle = self._throttles.get(tenant)
+        if throttle is None:
+            throttle = self._throttles[tenant] = TenantThrottle(limits.rate, self.clock)
+        return throttle
+
+    def _overloaded(self, reason: str) -> Overloaded:
+        wait = self._admission.estimated_wait(self._scheduler.num_waiting)
+        return Overloaded(f"engine is full ({reason})", retry_after=wait if wait is not None else 1.0,
+                          reason=reason)
+
+    def _check_load(self) -> None:
+        """Refuses at once what would wait too long (``max_queue_wait``) or cannot be served."""
+        if self._scheduler.blocked == "kv_stats_stale" and self._scheduler.num_waiting:
+            raise self._overloaded("kv_stats_stale")
+        bound = self.config.max_queue_wait
+        if bound is None or self._scheduler.blocked is None:
+            return  # the last pump emptied the queue: whatever waits now is dispatched next
+        wait = self._admission.estimated_wait(self._scheduler.num_waiting)
+        if wait is not None and wait > bound:
+            raise Overloaded(f"predicted queue wait {wait:.2f} s exceeds {bound} s",
+                             retry_after=wait - bound, reason="predicted_wait")
+
+    def _schedule_pump(self) -> None:
+        """Pumps at the end of this loop iteration, so a burst of arrivals is ordered as one."""
+        if not self._pump_scheduled:
+            self._pump_scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump_now)
+
+    def _pump_now(self) -> None:
+        """Carries out the scheduler's decisions: grants the tickets it dispatches."""
+        self._pump_scheduled = False
+        for dispatch in self._scheduler.next_batch():
+            granted = dispatch.ticket.granted
+            if granted is not None and not granted.done():
+                granted.set_result(None)
 
     async def _wait_for_grant(self, ticket: Ticket) -> None:
         assert ticket.granted is not None
@@ -235,27 +356,42 @@ class Gateway:
             raise QueueTimeout(f"{ticket.request_id} waited over {self.config.queue_timeout} s")
         ticket.granted.result()
 
-    async def _serve(self, ticket: Ticket) -> AsyncGenerator[Any, None]:
-        """Queues, dispatches and streams one ticket; releases everything it held on exit."""
+    async def _admit(self, ticket: Ticket) -> None:
+        """Rate-limits, load-checks and queues ``ticket`` (the blocking path's ingress)."""
         try:
             if self._closing:
                 raise ShuttingDown("gateway is shutting down")
             self._check_unique(ticket.request_id)
+            throttle = self._throttle(ticket.tenant)
+            if throttle is not None:
+                self._live[ticket.request_id] = ticket  # hold the id while waiting for the rate
+                try:
+                    await throttle.acquire()
+                finally:
+                    del self._live[ticket.request_id]
+                if self._closing:
+                    raise ShuttingDown("gateway is shutting down")
+            self._check_load()
             ticket.granted = asyncio.get_running_loop().create_future()
             self._scheduler.enqueue(ticket)
         except (Rejected, ShuttingDown) as e:
-            self._stats.refuse(e.outcome)
+            self._stats.refuse(e.outcome, getattr(e, "reason", None))
             raise
         self._live[ticket.request_id] = ticket
         self._stats.accept(ticket)
-        dispatched = False
+
+    async def _serve(self, ticket: Ticket, *, admitted: bool = False) -> AsyncGenerator[Any, None]:
+        """Queues, dispatches and streams one ticket; releases everything it held on exit."""
+        if not admitted:
+            await self._admit(ticket)
+        dispatched = admitted
         try:
-            self._pump()
-            await self._wait_for_grant(ticket)
+            if not admitted:
+                self._schedule_pump()
+                await self._wait_for_grant(ticket)
             if self._dead is not None:
                 raise EngineDead("the engine has died") from self._dead.__cause__
             dispatched = True
-            self._on_dispatch(ticket)
             request = EngineRequest(ticket.request_id, ticket.prompt_token_ids,
                                     ticket.sampling_params, ticket.cache_salt,
                                     ticket.lora_request, ticket.priority)
@@ -291,16 +427,24 @@ class Gateway:
             self._stats.end(ticket)
             if not self._scheduler.running:
                 self._idle.set()
-            self._pump()
+            if self._scheduler.num_waiting:
+                self._pump_now()
             if dispatched and ticket.outcome is not Outcome.COMPLETED and self._dead is None:
                 with contextlib.suppress(Exception):
                     await self.engine.abort(ticket.request_id)
 
-    def _on_dispatch(self, ticket: Ticket) -> None:
-        ticket.dispatched_at = self.clock.now()
-        hit_blocks = self._mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
-        ticket.predicted_hit_tokens = hit_blocks * self.engine.block_size
-        self._mirror.insert(ticket.block_hashes)
+    def _abandon(self, ticket: Ticket) -> None:
+        """Ends a ``try_generate`` ticket that was dispatched but never iterated."""
+        ticket.outcome = Outcome.CANCELLED
+        ticket.finished_at = self.clock.now()
+        self._scheduler.finish(ticket)
+        self._live.pop(ticket.request_id, None)
+        self._stats.end(ticket)
+        if not self._scheduler.running:
+            self._idle.set()
+        if self._scheduler.num_waiting:
+            with contextlib.suppress(RuntimeError):  # no running loop (interpreter teardown)
+                self._schedule_pump()
 
     def _on_complete(self, ticket: Ticket, last: Any) -> None:
         ticket.outcome = Outcome.COMPLETED
@@ -316,7 +460,7 @@ class Gateway:
             self._mirror.insert(chain)
 
     def __repr__(self) -> str:
-        return (f"Gateway(engine={self.engine!r}, queued={len(self._scheduler.queue)}, "
+        return (f"Gateway(engine={self.engine!r}, queued={self._scheduler.num_waiting}, "
                 f"running={len(self._scheduler.running)}, closing={self._closing})")
 
 

@@ -1,29 +1,57 @@
-"""Stage 3: the bounded waiting queue, its ordering policies, and the in-flight window.
+"""Stage 3: the bounded waiting queue, ordering policies, aging, tenant fairness, the window.
 
-Pure and synchronous: :class:`Scheduler` only decides which tickets to hand to the engine next;
-the gateway's async shell carries the decisions out. Policies are one-method classes chosen by
-name from :data:`ORDERING_POLICIES`.
+Pure and synchronous: :class:`Scheduler` decides which tickets the engine gets next and
+reserves their KV blocks; the gateway's async shell carries the decisions out. Every ordering
+policy is a one-method class chosen by name from :data:`ORDERING_POLICIES`; aging, tenant
+fairness and the KV window apply to all of them.
+
+How a ticket is chosen, in order:
+
+1. **Aging.** If the oldest waiting ticket has waited more than ``max_wait_factor`` × the
+   median wait of recently dispatched tickets, it goes first, whatever the policy says.
+2. **Tenant fairness.** Among tenants with waiting tickets (and under their in-flight share),
+   the one with the fewest tickets in flight, then the least recently served, goes next.
+3. **Policy.** Within that tenant's queue, the policy's smallest key, or for a *circular* policy
+   (``prefix``) the next key after the last one dispatched, wrapping around: the queue is sorted
+   by block-hash chain, so siblings that share a prefix are adjacent and dispatched together.
+   When a circular policy finishes a group it prefers, among the oldest few tickets, one whose
+   prefix is resident in the engine (per the mirror).
+4. **Window.** The chosen ticket is dispatched only if its KV blocks fit (see admission.py) and
+   fewer than ``max_in_flight`` requests are running; otherwise dispatch stops (no overtaking).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sortedcontainers import SortedKeyList
 
+from .admission import Admission
+from .clock import Clock
+from .config import TenantLimits
 from .errors import QueueFull
+from .mirror import PrefixMirror
 from .tickets import Ticket, TicketState
 
-__all__ = ["ORDERING_POLICIES", "Fcfs", "OrderingPolicy", "PriorityOrder", "Scheduler",
-           "WaitingQueue"]
+__all__ = ["ORDERING_POLICIES", "Dispatch", "Fcfs", "OrderingPolicy", "PrefixOrder", "PriorityOrder",
+           "Scheduler", "WaitingQueue"]
+
+_RESIDENT_LOOKAHEAD = 8  # oldest tickets checked for a resident prefix when a group ends
 
 
 class OrderingPolicy(Protocol):
-    """Orders the waiting queue: the ticket with the smallest key is dispatched first."""
+    """Orders a waiting queue: the smallest key goes first.
+
+    A policy may set a class attribute ``circular = True``: the scheduler then resumes after the
+    last key it dispatched instead of restarting at the smallest (an elevator over the keys).
+    """
 
     def sort_key(self, ticket: Ticket) -> Any:
-        """A key fixed at enqueue time; ties must be broken (``ticket.seq`` does it)."""
+        """A key fixed at enqueue time; include ``ticket.seq`` to break ties."""
         ...
 
 
@@ -41,30 +69,32 @@ class PriorityOrder:
         return (ticket.priority, ticket.seq)
 
 
+class PrefixOrder:
+    """Siblings together: sorted by block-hash chain, walked circularly from the last dispatch."""
+
+    circular = True
+
+    def sort_key(self, ticket: Ticket) -> Any:
+        return (ticket.block_hashes, ticket.seq)
+
+
 ORDERING_POLICIES: dict[str, Callable[[], OrderingPolicy]] = {
     "fcfs": Fcfs,
     "priority": PriorityOrder,
+    "prefix": PrefixOrder,
 }
 
 
 class WaitingQueue:
-    """Tickets waiting for dispatch, sorted by the policy's key, at most ``max_len`` of them.
+    """One tenant's waiting tickets, sorted by the policy's key.
 
-    Invariant: ``len(self) <= max_len``; each ticket appears at most once.
-
-    Args:
-        policy: Orders the queue.
-        max_len: The bound; :meth:`push` refuses beyond it.
+    Invariant: each ticket appears at most once; its key never changes while it waits.
     """
 
-    def __init__(self, policy: OrderingPolicy, max_len: int) -> None:
+    def __init__(self, policy: OrderingPolicy) -> None:
         self.policy = policy
-        self.max_len = max_len
-        self._items: SortedKeyList = SortedKeyList(key=self._key)
         self._keys: dict[int, Any] = {}
-
-    def _key(self, ticket: Ticket) -> Any:
-        return self._keys[id(ticket)]
+        self._items: SortedKeyList = SortedKeyList(key=lambda t: self._keys[id(t)])
 
     def __len__(self) -> int:
         return len(self._items)
@@ -72,82 +102,232 @@ class WaitingQueue:
     def __iter__(self) -> Iterator[Ticket]:
         return iter(self._items)
 
-    def push(self, ticket: Ticket) -> None:
-        """Adds ``ticket``.
-
-        Raises:
-            QueueFull: If ``max_len`` tickets are already waiting.
-        """
-        if len(self._items) >= self.max_len:
-            raise QueueFull(f"waiting queue is full ({self.max_len} requests)",
-                            retry_after=0.0, reason="queue_full")
+    def add(self, ticket: Ticket) -> None:
         self._keys[id(ticket)] = self.policy.sort_key(ticket)
         self._items.add(ticket)
 
-    def peek(self) -> Ticket | None:
-        """The next ticket, without removing it."""
-        return self._items[0] if self._items else None
-
-    def pop(self) -> Ticket | None:
-        """Removes and returns the next ticket, or ``None`` when empty."""
-        if not self._items:
-            return None
-        ticket = self._items.pop(0)
-        del self._keys[id(ticket)]
-        return ticket
-
     def remove(self, ticket: Ticket) -> bool:
-        """Removes ``ticket`` if it is waiting; returns whether it was."""
+        """Removes ``ticket`` if it waits here; returns whether it did."""
         if id(ticket) not in self._keys:
             return False
         self._items.remove(ticket)
         del self._keys[id(ticket)]
         return True
 
+    def first(self) -> Ticket:
+        return self._items[0]
+
+    def after(self, key: Any) -> Ticket:
+        """The first ticket whose key is greater than ``key``, wrapping to the first."""
+        i = self._items.bisect_key_right(key)
+        return self._items[i if i < len(self._items) else 0]
+
     def __repr__(self) -> str:
-        return f"WaitingQueue({type(self.policy).__name__}, len={len(self)}, max_len={self.max_len})"
+        return f"WaitingQueue({type(self.policy).__name__}, len={len(self)})"
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """A decision to hand ``ticket`` to the engine now, with what it was charged.
+
+    Attributes:
+        ticket: The ticket (now RUNNING).
+        hit_blocks: Leading prompt blocks predicted to be served from cache.
+        blocks: KV blocks reserved for it in the ledger.
+    """
+
+    ticket: Ticket
+    hit_blocks: int
+    blocks: int
 
 
 class Scheduler:
-    """Decides which waiting tickets go to the engine, keeping at most ``max_in_flight`` there.
+    """Owns waiting and running tickets and decides dispatches.
 
-    Invariant: every ticket it knows is in exactly one of ``queue`` (QUEUED) and ``running``
-    (RUNNING); :meth:`finish` forgets a ticket in either.
+    Invariant: a known ticket is in exactly one of the waiting queues (QUEUED) and ``running``
+    (RUNNING); a RUNNING ticket holds exactly one ledger reservation; ``finish`` releases both.
 
     Args:
-        queue: The waiting queue.
-        max_in_flight: The most RUNNING tickets; ``None`` for no cap.
+        policy: Orders each tenant's queue.
+        admission: KV fit decisions and the block ledger.
+        mirror: The engine-cache mirror used to predict hits.
+        clock: The gateway's clock.
+        max_queue_len: The most waiting tickets over all tenants.
+        max_in_flight: The most running tickets; ``None`` for no cap besides KV.
+        max_wait_factor: The aging bound, in multiples of the median recent wait.
+        min_aging_wait: Waits shorter than this never trigger aging (seconds).
+        tenant_limits: Per-tenant limits; tenants not listed use ``default_limits``.
+        default_limits: Limits of tenants not in ``tenant_limits``.
     """
 
-    def __init__(self, queue: WaitingQueue, max_in_flight: int | None) -> None:
-        self.queue = queue
+    def __init__(self, policy: OrderingPolicy, *, admission: Admission, mirror: PrefixMirror,
+                 clock: Clock, max_queue_len: int, max_in_flight: int | None,
+                 max_wait_factor: float, min_aging_wait: float,
+                 tenant_limits: dict[str, TenantLimits], default_limits: TenantLimits) -> None:
+        self.policy = policy
+        self.circular = bool(getattr(policy, "circular", False))
+        self.admission = admission
+        self.mirror = mirror
+        self.clock = clock
+        self.max_queue_len = max_queue_len
         self.max_in_flight = max_in_flight
+        self.max_wait_factor = max_wait_factor
+        self.min_aging_wait = min_aging_wait
+        self.tenant_limits = tenant_limits
+        self.default_limits = default_limits
+        self.queues: dict[str | None, WaitingQueue] = {}
+        self.by_age: SortedKeyList = SortedKeyList(key=lambda t: t.seq)
         self.running: set[Ticket] = set()
+        self.running_by_tenant: Counter[str | None] = Counter()
+        self._served: dict[str | None, int] = {}
+        self._serial = 0
+        self._last_key: dict[str | None, Any] = {}
+        self._last_head: dict[str | None, Any] = {}
+        self.recent_waits: deque[float] = deque(maxlen=256)
+        self.aged_dispatches = 0
+        self.blocked: str | None = None
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.by_age)
 
     def enqueue(self, ticket: Ticket) -> None:
-        """Queues ``ticket``. Raises ``QueueFull`` as :meth:`WaitingQueue.push` does."""
-        self.queue.push(ticket)
+        """Queues ``ticket``.
+
+        Raises:
+            QueueFull: If ``max_queue_len`` tickets already wait (``retry_after`` from the
+                recent drain rate).
+        """
+        if len(self.by_age) >= self.max_queue_len:
+            wait = self.admission.estimated_wait(0)
+            raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)",
+                            retry_after=wait if wait is not None else 1.0, reason="queue_full")
+        queue = self.queues.get(ticket.tenant)
+        if queue is None:
+            queue = self.queues[ticket.tenant] = WaitingQueue(self.policy)
+        queue.add(ticket)
+        self.by_age.add(ticket)
         ticket.state = TicketState.QUEUED
 
-    def next_batch(self) -> list[Ticket]:
-        """Pops the tickets to dispatch now, in order, and marks them RUNNING."""
-        out = []
-        while self.max_in_flight is None or len(self.running) < self.max_in_flight:
-            ticket = self.queue.pop()
-            if ticket is None:
-                break
-            ticket.state = TicketState.RUNNING
-            self.running.add(ticket)
-            out.append(ticket)
-        return out
-
     def finish(self, ticket: Ticket) -> None:
-        """Forgets ``ticket`` wherever it is (idempotent) and marks it DONE."""
+        """Forgets ``ticket`` wherever it is and releases its blocks. Idempotent."""
         if ticket.state is TicketState.QUEUED:
-            self.queue.remove(ticket)
-        self.running.discard(ticket)
+            self._dequeue(ticket)
+        elif ticket.state is TicketState.RUNNING:
+            self.running.discard(ticket)
+            self.running_by_tenant[ticket.tenant] -= 1
+            self.admission.ledger.release(ticket)
+            if ticket.outcome is not None and ticket.outcome.value == "completed":
+                self.admission.drain.record()
         ticket.state = TicketState.DONE
 
+    def _dequeue(self, ticket: Ticket) -> None:
+        queue = self.queues[ticket.tenant]
+        queue.remove(ticket)
+        self.by_age.remove(ticket)
+        if not queue:
+            del self.queues[ticket.tenant]
+
+    def median_wait(self) -> float | None:
+        """Median queue wait of the recently dispatched tickets, or ``None`` before any."""
+        return statistics.median(self.recent_waits) if self.recent_waits else None
+
+    def _limits(self, tenant: str | None) -> TenantLimits:
+        return self.tenant_limits.get(tenant, self.default_limits) if tenant else self.default_limits
+
+    # -- decisions --------------------------------------------------------------------------
+
+    def _aged(self, now: float) -> Ticket | None:
+        if not self.by_age:
+            return None
+        oldest = self.by_age[0]
+        median = self.median_wait()
+        if median is None:
+            return None
+        bound = max(self.min_aging_wait, self.max_wait_factor * median)
+        return oldest if now - oldest.arrival > bound else None
+
+    def _tenant(self) -> str | None:
+        if len(self.queues) == 1:
+            return next(iter(self.queues))
+        cap_base = self.max_in_flight or max(1, len(self.running))
+        best, best_rank = None, None
+        for tenant in self.queues:
+            share = self._limits(tenant).max_in_flight_share
+            if share is not None and self.running_by_tenant[tenant] >= max(1, int(share * cap_base)):
+                continue  # over its share while others wait
+            rank = (self.running_by_tenant[tenant], self._served.get(tenant, -1))
+            if best_rank is None or rank < best_rank:
+                best, best_rank = tenant, rank
+        if best_rank is None:  # every waiting tenant is at its share: work-conserving fallback
+            best = min(self.queues, key=lambda t: (self.running_by_tenant[t], self._served.get(t, -1)))
+        return best
+
+    def _pick(self, tenant: str | None) -> Ticket:
+        queue = self.queues[tenant]
+        if not self.circular or tenant not in self._last_key:
+            return queue.first()
+        ticket = queue.after(self._last_key[tenant])
+        head = ticket.block_hashes[:1]
+        if head and head == self._last_head.get(tenant):
+            return ticket  # same group as the last dispatch: keep going
+        # A group ended: prefer an old ticket whose prefix the engine still holds.
+        best, best_hits = ticket, self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
+        for i, other in enumerate(self.by_age):
+            if i >= _RESIDENT_LOOKAHEAD:
+                break
+            if other.tenant == tenant and other is not ticket:
+                hits = self.mirror.match(other.block_hashes, other.cacheable_blocks)
+                if hits > best_hits:
+                    best, best_hits = other, hits
+        return best
+
+    def choose(self) -> Ticket | None:
+        """The ticket that should go next, or ``None`` when nothing waits. Pure."""
+        if not self.by_age:
+            return None
+        aged = self._aged(self.clock.now())
+        return aged if aged is not None else self._pick(self._tenant())
+
+    def next_batch(self) -> list[Dispatch]:
+        """Dispatches, in order, every ticket that may go now; reserves blocks, predicts hits.
+
+        Sets ``blocked`` to why dispatch stopped (``None`` when the queue emptied).
+        """
+        out: list[Dispatch] = []
+        now = self.clock.now()
+        self.blocked = None
+        while self.by_age:
+            if self.max_in_flight is not None and len(self.running) >= self.max_in_flight:
+                self.blocked = "max_in_flight"
+                break
+            aged = self._aged(now)
+            ticket = aged if aged is not None else self._pick(self._tenant())
+            hit_blocks = self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
+            blocks = self.admission.need(ticket, hit_blocks)
+            reason = self.admission.blocked_reason(blocks)
+            if reason is not None:
+                self.blocked = reason
+                break
+            self._dequeue(ticket)
+            self.admission.ledger.reserve(ticket, blocks)
+            self.mirror.insert(ticket.block_hashes)
+            ticket.state = TicketState.RUNNING
+            ticket.predicted_hit_tokens = hit_blocks * self.admission.block_size
+            ticket.dispatched_at = now
+            self.running.add(ticket)
+            self.running_by_tenant[ticket.tenant] += 1
+            self._serial += 1
+            self._served[ticket.tenant] = self._serial
+            self._last_key[ticket.tenant] = self.policy.sort_key(ticket)
+            self._last_head[ticket.tenant] = ticket.block_hashes[:1]
+            self.recent_waits.append(now - ticket.arrival)
+            self.aged_dispatches += aged is not None
+            out.append(Dispatch(ticket, hit_blocks, blocks))
+        return out
+
     def __repr__(self) -> str:
-        return (f"Scheduler(queued={len(self.queue)}, running={len(self.running)}, "
-                f"max_in_flight={self.max_in_flight})")
+        return (f"Scheduler({type(self.policy).__name__}, waiting={len(self.by_age)}, "
+                f"running={len(self.running)}, tenants={len(self.queues)}, blocked={self.blocked})")

@@ -30,6 +30,12 @@ class GatewayStatistics:
         predicted_hit_tokens: Cache-hit tokens the gateway predicted for completed requests.
         engine_cached_tokens: Cache-hit tokens the engine reported for completed requests.
         kv: The engine's latest KV state, or ``None``.
+        rejected_reasons: Refusals with a reason (``Overloaded``/``QueueFull``/``RateLimited``),
+            by reason.
+        reserved_blocks: KV blocks reserved by running requests now.
+        median_wait: Median queue wait of recently dispatched requests (seconds), or ``None``.
+        aged_dispatches: Dispatches forced by the aging bound.
+        blocked: Why the scheduler last stopped dispatching, or ``None``.
     """
 
     requests: int = 0
@@ -43,6 +49,11 @@ class GatewayStatistics:
     predicted_hit_tokens: int = 0
     engine_cached_tokens: int = 0
     kv: KvStats | None = None
+    rejected_reasons: Mapping[str, int] = field(default_factory=dict)
+    reserved_blocks: int = 0
+    median_wait: float | None = None
+    aged_dispatches: int = 0
+    blocked: str | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -61,6 +72,7 @@ class StatsRecorder:
     def __init__(self) -> None:
         self.requests = 0
         self.refused: Counter[str] = Counter()
+        self.reasons: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
         self.canonicalized = 0
         self.chars_removed = 0
@@ -68,8 +80,10 @@ class StatsRecorder:
         self.predicted_hit_tokens = 0
         self.engine_cached_tokens = 0
 
-    def refuse(self, outcome: Outcome) -> None:
+    def refuse(self, outcome: Outcome, reason: str | None = None) -> None:
         self.refused[outcome.value] += 1
+        if reason is not None:
+            self.reasons[reason] += 1
 
     def accept(self, ticket: Ticket) -> None:
         self.requests += 1
@@ -84,13 +98,17 @@ class StatsRecorder:
             self.predicted_hit_tokens += ticket.predicted_hit_tokens or 0
             self.engine_cached_tokens += ticket.cached_tokens
 
-    def snapshot(self, *, queued: int, running: int, kv: KvStats | None) -> GatewayStatistics:
+    def snapshot(self, *, queued: int, running: int, kv: KvStats | None, reserved_blocks: int,
+                 median_wait: float | None, aged_dispatches: int,
+                 blocked: str | None) -> GatewayStatistics:
         return GatewayStatistics(
             requests=self.requests, refused=MappingProxyType(dict(self.refused)),
             outcomes=MappingProxyType(dict(self.outcomes)), canonicalized=self.canonicalized,
             chars_removed=self.chars_removed, queued=queued, running=running,
             prompt_tokens=self.prompt_tokens, predicted_hit_tokens=self.predicted_hit_tokens,
             engine_cached_tokens=self.engine_cached_tokens, kv=kv,
+            rejected_reasons=MappingProxyType(dict(self.reasons)), reserved_blocks=reserved_blocks,
+            median_wait=median_wait, aged_dispatches=aged_dispatches, blocked=blocked,
         )
 
     def __repr__(self) -> str:

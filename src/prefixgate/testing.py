@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .clock import FakeClock
+from .clock import Clock, FakeClock
 from .engine import EngineRequest, KvStats, SamplingCheck
 from .errors import EngineDead, EngineError, InvalidRequest
 
@@ -71,8 +71,9 @@ class FakeEngine:
     """An :class:`~prefixgate.engine.Engine` that echoes token ``7`` ``max_tokens`` times.
 
     Its cache remembers every full block it has seen (by tuple of all tokens up to the block's
-    end), never evicts, and reports ``num_cached_tokens`` as vLLM would. Each output waits for
-    ``step`` (an ``asyncio.Event`` tests can hold) or yields to the loop once.
+    end), never evicts, and reports ``num_cached_tokens`` as vLLM would. Each output waits
+    ``output_time`` seconds on ``clock`` if both are set, else for ``step`` (an
+    ``asyncio.Event`` tests can hold), else yields to the loop once.
 
     Attributes:
         running: Request ids currently generating.
@@ -89,6 +90,8 @@ class FakeEngine:
     model_name: str = "fake-model"
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
     step: asyncio.Event | None = None
+    clock: Clock | None = None
+    output_time: float = 0.0
     fail_after: int | None = None
     die_after: int | None = None
     refuse: str | None = None
@@ -142,7 +145,9 @@ class FakeEngine:
         out: tuple[int, ...] = ()
         try:
             for i in range(n):
-                if self.step is not None:
+                if self.clock is not None and self.output_time > 0:
+                    await self.clock.sleep(self.output_time)
+                elif self.step is not None:
                     await self.step.wait()
                 else:
                     await asyncio.sleep(0)

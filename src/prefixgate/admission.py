@@ -1,0 +1,179 @@
+"""Stage 4: admit only what fits in the engine's KV cache, and say when to retry.
+
+vLLM accepts everything; when its KV blocks run out it preempts and recomputes, and latency
+collapses for everyone. The gateway instead keeps a *block ledger*: every dispatched ticket
+reserves the blocks it will need, ``ceil((prompt − predicted hits + output reserve) / block)``,
+and the scheduler dispatches only while reservations fit, live engine stats agree, and a
+watermark is left free. Reservations belong to the ticket and are released when it ends,
+however it ends.
+
+Pure and synchronous; the gateway's async shell calls it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+
+from .clock import Clock
+from .engine import KvStats
+from .tickets import Ticket
+
+__all__ = ["Admission", "BlockLedger", "DrainRate"]
+
+
+class BlockLedger:
+    """Per-ticket reservations of KV blocks against a fixed capacity.
+
+    Invariant: ``reserved + free == capacity`` and ``0 <= reserved <= capacity`` at all times;
+    a ticket holds at most one reservation, and releasing it twice releases nothing the second
+    time.
+
+    Args:
+        capacity: The engine's KV capacity in blocks.
+
+    Raises:
+        ValueError: If ``capacity`` is negative.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self.reserved = 0
+        self._held: dict[int, int] = {}
+
+    @property
+    def free(self) -> int:
+        """Blocks not reserved by any ticket."""
+        return self.capacity - self.reserved
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def holds(self, ticket: Ticket) -> int:
+        """Blocks ``ticket`` holds (0 if none)."""
+        return self._held.get(id(ticket), 0)
+
+    def can_reserve(self, blocks: int) -> bool:
+        """Whether ``blocks`` more would fit. Pure."""
+        return 0 <= blocks <= self.free
+
+    def reserve(self, ticket: Ticket, blocks: int) -> None:
+        """Reserves ``blocks`` for ``ticket``.
+
+        Raises:
+            ValueError: If ``ticket`` already holds a reservation, ``blocks`` is negative, or it
+                does not fit (callers check :meth:`can_reserve` first).
+        """
+        if id(ticket) in self._held:
+            raise ValueError(f"{ticket.request_id} already holds {self._held[id(ticket)]} blocks")
+        if not self.can_reserve(blocks):
+            raise ValueError(f"cannot reserve {blocks} blocks with {self.free} free")
+        self._held[id(ticket)] = blocks
+        self.reserved += blocks
+
+    def release(self, ticket: Ticket) -> int:
+        """Releases ``ticket``'s reservation; returns how many blocks it held (0 if none)."""
+        blocks = self._held.pop(id(ticket), 0)
+        self.reserved -= blocks
+        return blocks
+
+    def __repr__(self) -> str:
+        return f"BlockLedger(reserved={self.reserved}, free={self.free}, tickets={len(self._held)})"
+
+
+class DrainRate:
+    """Completions per second over a sliding window of the last ``window`` completions.
+
+    Invariant: holds at most ``window`` timestamps, oldest first.
+    """
+
+    def __init__(self, clock: Clock, window: int = 64) -> None:
+        self.clock = clock
+        self._times: deque[float] = deque(maxlen=window)
+
+    def record(self) -> None:
+        """Notes one completion now."""
+        self._times.append(self.clock.now())
+
+    def per_second(self) -> float | None:
+        """The recent completion rate, or ``None`` before two completions were seen."""
+        if len(self._times) < 2:
+            return None
+        span = max(self.clock.now(), self._times[-1]) - self._times[0]
+        return (len(self._times) - 1) / span if span > 0 else None
+
+    def __repr__(self) -> str:
+        rate = self.per_second()
+        return f"DrainRate({'unknown' if rate is None else f'{rate:.2f}/s'})"
+
+
+class Admission:
+    """Decides whether a ticket's KV needs fit now, and estimates when a refused one would.
+
+    A ticket fits when its block need fits the ledger's free blocks less the watermark *and*,
+    while anything is in flight, the engine's latest stats are fresh and show as many free
+    blocks. Stats older than ``stats_max_age`` count as "full" (fail safe): if the engine stops
+    reporting, the gateway stops dispatching. With nothing in flight the engine is idle (and
+    reports nothing), so one request is always allowed through.
+
+    Args:
+        ledger: The block ledger.
+        block_size: The engine's block size.
+        output_reserve: Share of ``max_tokens`` reserved for output (1.0 = all of it).
+        default_output_tokens: Output tokens assumed when a request gives no ``max_tokens``.
+        watermark_blocks: Blocks always kept free.
+        stats_max_age: Seconds after which engine stats count as "full".
+        kv_stats: Returns the engine's latest stats.
+        clock: The gateway's clock.
+    """
+
+    def __init__(self, ledger: BlockLedger, *, block_size: int, output_reserve: float,
+                 default_output_tokens: int, watermark_blocks: int, stats_max_age: float,
+                 kv_stats: Callable[[], KvStats | None], clock: Clock) -> None:
+        self.ledger = ledger
+        self.block_size = block_size
+        self.output_reserve = output_reserve
+        self.default_output_tokens = default_output_tokens
+        self.watermark_blocks = watermark_blocks
+        self.stats_max_age = stats_max_age
+        self.kv_stats = kv_stats
+        self.clock = clock
+        self.drain = DrainRate(clock)
+
+    def need(self, ticket: Ticket, hit_blocks: int) -> int:
+        """Blocks ``ticket`` needs if ``hit_blocks`` of its prompt are served from cache."""
+        out = ticket.max_tokens if ticket.max_tokens is not None else self.default_output_tokens
+        tokens = ticket.num_prompt_tokens - hit_blocks * self.block_size + out * self.output_reserve
+        return max(1, math.ceil(tokens / self.block_size))
+
+    def blocked_reason(self, blocks: int) -> str | None:
+        """Why ``blocks`` more cannot be dispatched now, or ``None`` if they can. Pure."""
+        if len(self.ledger) == 0:
+            return None  # idle engine: always let one through, whatever its stats say
+        if blocks > self.ledger.free - self.watermark_blocks:
+            return "kv_reserved"
+        stats = self.kv_stats()
+        if stats is None:
+            return None  # an engine without stats: the ledger alone decides
+        if self.clock.now() - stats.time > self.stats_max_age:
+            return "kv_stats_stale"
+        if blocks > stats.free_blocks - self.watermark_blocks:
+            return "kv_free_low"
+        return None
+
+    def fits(self, blocks: int) -> bool:
+        """Whether ``blocks`` more can be dispatched now."""
+        return self.blocked_reason(blocks) is None
+
+    def estimated_wait(self, ahead: int) -> float | None:
+        """Seconds until ``ahead`` queued requests and then one more are dispatched, from the
+        recent drain rate; ``None`` while the rate is unknown."""
+        rate = self.drain.per_second()
+        return None if rate is None else (ahead + 1) / rate
+
+    def __repr__(self) -> str:
+        return (f"Admission({self.ledger!r}, watermark={self.watermark_blocks}, "
+                f"reserve={self.output_reserve}, {self.drain!r})")

@@ -1,0 +1,181 @@
+"""The block ledger and KV admission: a stateful Hypothesis machine plus exact stories."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from prefixgate import Gateway, GatewayConfig, KvStats, Overloaded
+from prefixgate.admission import Admission, BlockLedger
+from prefixgate.clock import FakeClock
+from prefixgate.testing import FakeEngine, FakeSamplingParams
+
+
+class _T:
+    """A stand-in ticket: the ledger only needs identity and a request id."""
+
+    def __init__(self, i: int) -> None:
+        self.request_id = f"t{i}"
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Random reserve / release / cancel / engine-stat updates against a model of the ledger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.capacity = 64
+        self.ledger = BlockLedger(self.capacity)
+        self.clock = FakeClock()
+        self.stats: KvStats | None = None
+        self.admission = Admission(self.ledger, block_size=4, output_reserve=1.0,
+                                   default_output_tokens=4, watermark_blocks=2, stats_max_age=1.0,
+                                   kv_stats=lambda: self.stats, clock=self.clock)
+        self.model: dict[int, int] = {}
+        self.tickets = [_T(i) for i in range(12)]
+
+    @rule(i=st.integers(0, 11), blocks=st.integers(0, 40))
+    def reserve(self, i, blocks):
+        t = self.tickets[i]
+        fits = self.ledger.can_reserve(blocks)
+        if i in self.model or not fits:
+            with pytest.raises(ValueError):
+                self.ledger.reserve(t, blocks)
+        else:
+            self.ledger.reserve(t, blocks)
+            self.model[i] = blocks
+
+    @rule(i=st.integers(0, 11))
+    def release(self, i):  # also what a cancellation does; a second release frees nothing
+        assert self.ledger.release(self.tickets[i]) == self.model.pop(i, 0)
+
+    @rule(free=st.integers(0, 64), age=st.floats(0, 3))
+    def engine_reports(self, free, age):
+        self.stats = KvStats(time=self.clock.now() - age, total_blocks=64, free_blocks=free)
+
+    @rule(seconds=st.floats(0, 2))
+    def time_passes(self, seconds):
+        self.clock._now += seconds
+
+    @precondition(lambda self: self.stats is not None)
+    @rule(blocks=st.integers(1, 70))
+    def fit_decision_is_safe(self, blocks):
+        reason = self.admission.blocked_reason(blocks)
+        if not self.model:
+            assert reason is None  # an idle engine always takes one request
+        elif reason is None:
+            assert blocks <= self.ledger.free - 2
+            assert blocks <= self.stats.free_blocks - 2
+            assert self.clock.now() - self.stats.time <= 1.0
+
+    @invariant()
+    def reserved_plus_free_is_capacity(self):
+        assert self.ledger.reserved + self.ledger.free == self.capacity
+        assert self.ledger.reserved == sum(self.model.values())
+        assert 0 <= self.ledger.free <= self.capacity and len(self.ledger) == len(self.model)
+
+
+TestLedger = LedgerMachine.TestCase
+
+
+def test_need_counts_uncached_prompt_and_output_reserve():
+    adm = Admission(BlockLedger(100), block_size=16, output_reserve=0.5, default_output_tokens=64,
+                    watermark_blocks=0, stats_max_age=1.0, kv_stats=lambda: None, clock=FakeClock())
+
+    class T:
+        num_prompt_tokens, max_tokens = 100, 40
+
+    assert adm.need(T, hit_blocks=0) == 8  # ceil((100 + 20) / 16)
+    assert adm.need(T, hit_blocks=6) == 2  # ceil((100 - 96 + 20) / 16)
+    T.max_tokens = None
+    assert adm.need(T, hit_blocks=6) == 3  # ceil((4 + 32) / 16)
+
+
+def _engine(blocks: int) -> FakeEngine:
+    return FakeEngine(block_size=4, num_blocks=blocks, step=asyncio.Event())
+
+
+async def test_requests_wait_for_blocks_and_run_when_they_free():
+    engine = _engine(blocks=21)  # each request below needs ceil((18 + 8) / 4) = 7 blocks
+    sp = FakeSamplingParams(max_tokens=8)
+    gw = Gateway(engine, GatewayConfig(ordering="fcfs", kv_watermark=0))
+    tasks = [asyncio.create_task(_drain(gw.generate(f"{i} distinct request", sp))) for i in range(4)]
+    await _spin()
+    stats = gw.statistics()
+    assert (stats.running, stats.queued, stats.reserved_blocks, stats.blocked) == (3, 1, 21, "kv_reserved")
+    engine.step.set()
+    await asyncio.gather(*tasks)
+    assert gw.statistics().reserved_blocks == 0 and gw.statistics().completed == 4
+
+
+async def test_stale_engine_stats_stop_dispatch_and_fail_fast():
+    clock = FakeClock()
+    engine = _engine(blocks=100)
+    engine.set_kv_stats(KvStats(time=0.0, total_blocks=100, free_blocks=100))
+    gw = Gateway(engine, GatewayConfig(ordering="fcfs", stats_max_age=1.0), clock=clock)
+    first = asyncio.create_task(_drain(gw.generate("first request", FakeSamplingParams(4))))
+    await _spin()
+    await clock.advance(5)  # the engine stops reporting while a request is in flight
+    second = asyncio.create_task(_drain(gw.generate("second request", FakeSamplingParams(4))))
+    await _spin()
+    assert gw.statistics().blocked == "kv_stats_stale" and gw.statistics().queued == 1
+    with pytest.raises(Overloaded) as info:
+        await _drain(gw.generate("third request", FakeSamplingParams(4)))
+    assert info.value.reason == "kv_stats_stale"
+    engine.set_kv_stats(KvStats(time=clock.now(), total_blocks=100, free_blocks=90))
+    engine.step.set()
+    await asyncio.gather(first, second)
+    assert gw.statistics().outcomes == {"completed": 2}
+
+
+async def test_try_generate_dispatches_now_or_raises_with_retry_after():
+    engine = _engine(blocks=12)  # each prompt needs ceil((16 + 8) / 4) = 6 blocks
+    sp = FakeSamplingParams(max_tokens=8)
+    gw = Gateway(engine, GatewayConfig(kv_watermark=0))
+    assert gw.can_admit("a" * 16, sp)
+    first = gw.try_generate("a" * 16, sp)
+    assert first.ticket.state.value == "running"
+    assert gw.can_admit("b" * 16, sp)
+    second = gw.try_generate("b" * 16, sp)
+    assert not gw.can_admit("c" * 16, sp)
+    with pytest.raises(Overloaded) as info:
+        gw.try_generate("c" * 16, sp)
+    assert info.value.reason == "kv_reserved" and info.value.retry_after > 0
+    assert gw.statistics().rejected_reasons == {"kv_reserved": 1}
+    await second.aclose()  # never iterated: its reservation is returned
+    assert gw.can_admit("c" * 16, sp)
+    engine.step.set()
+    assert (await _drain(first))[-1].finished
+    assert gw.statistics().reserved_blocks == 0
+
+
+async def test_overloaded_when_the_predicted_wait_exceeds_the_bound():
+    engine = FakeEngine(block_size=4, num_blocks=1000)
+    clock = FakeClock()
+    gw = Gateway(engine, GatewayConfig(ordering="fcfs", max_in_flight=1, max_queue_wait=2.0),
+                 clock=clock)
+    for t in (0.0, 1.0, 2.0):  # drain rate: one completion per second
+        await _drain(gw.generate(f"warm {t}", FakeSamplingParams(1)))
+        await clock.advance(1.0)
+    engine.step = asyncio.Event()
+    tasks = [asyncio.create_task(_drain(gw.generate(f"r{i}", FakeSamplingParams(1))))
+             for i in range(3)]
+    await _spin()
+    # r0 runs; r1, r2 wait. Drain rate: 2 completions over the 3 s since the first = 2/3 per s,
+    # so r3, third in line, would wait (2 + 1) / (2/3) = 4.5 s > 2 s: retry in 2.5 s.
+    with pytest.raises(Overloaded) as info:
+        await _drain(gw.generate("r3", FakeSamplingParams(1)))
+    assert info.value.reason == "predicted_wait" and info.value.retry_after == pytest.approx(2.5)
+    engine.step.set()
+    await asyncio.gather(*tasks[:3])
+
+
+async def _drain(stream):
+    return [o async for o in stream]
+
+
+async def _spin(n: int = 6) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)

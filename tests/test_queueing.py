@@ -1,0 +1,158 @@
+"""Ordering: prefix grouping, the aging bound (deterministic, fake clock), tenant fairness, rates."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prefixgate import Gateway, GatewayConfig, RateLimited
+from prefixgate.config import TenantLimits
+from prefixgate.testing import FakeClock, FakeEngine, FakeSamplingParams
+
+SP = FakeSamplingParams(max_tokens=1)
+
+
+async def spin(n: int = 8) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def drain(stream):
+    return [o async for o in stream]
+
+
+def tile(docs: int, questions: int) -> list[tuple[str, str]]:
+    """(doc, prompt) in tile order: d0q0, d1q0, …, d0q1, d1q1, … (adversarial for LRU)."""
+    return [(f"d{d}", f"document {d} " * 6 + f"question {q}") for q in range(questions)
+            for d in range(docs)]
+
+
+async def run_order(ordering: str, prompts: list[str], **config) -> list[str]:
+    engine = FakeEngine(block_size=4, step=asyncio.Event())
+    engine.step.set()
+    gw = Gateway(engine, GatewayConfig(ordering=ordering, max_in_flight=1, **config))
+    await asyncio.gather(*(drain(gw.generate(p, SP, request_id=f"r{i}")) for i, p in enumerate(prompts)))
+    order = [int(rid[1:]) for rid in engine.started]
+    return [prompts[i] for i in order]
+
+
+async def test_prefix_ordering_dispatches_siblings_together():
+    trace = tile(docs=4, questions=3)
+    order = await run_order("prefix", [p for _, p in trace], min_aging_wait=60)
+    docs = [p.split()[1] for p in order]
+    runs = [docs[i] for i in range(len(docs)) if i == 0 or docs[i] != docs[i - 1]]
+    assert len(runs) == 4 and sorted(runs) == ["0", "1", "2", "3"]  # each doc's questions adjacent
+
+
+async def test_fcfs_keeps_arrival_order():
+    trace = tile(docs=3, questions=2)
+    assert await run_order("fcfs", [p for _, p in trace]) == [p for _, p in trace]
+
+
+async def test_priority_ordering_runs_lower_priority_values_first():
+    engine = FakeEngine(step=asyncio.Event())
+    gw = Gateway(engine, GatewayConfig(ordering="priority", max_in_flight=1))
+    tasks = [asyncio.create_task(drain(gw.generate(f"p{i}", SP, request_id=f"r{i}", priority=pr)))
+             for i, pr in enumerate([5, 1, 3, 0])]
+    await spin()
+    engine.step.set()
+    await asyncio.gather(*tasks)
+    assert engine.started == ["r3", "r1", "r2", "r0"]
+
+
+async def test_prefix_ordering_returns_to_a_resident_prefix_after_a_group_ends():
+    clock = FakeClock()
+    engine = FakeEngine(block_size=4, step=asyncio.Event())
+    gw = Gateway(engine, GatewayConfig(ordering="prefix", max_in_flight=1, min_aging_wait=60),
+                 clock=clock)
+    warm = "resident doc " * 4
+    engine.step.set()
+    await drain(gw.generate(warm + "first", SP, request_id="warm"))
+    engine.step.clear()
+    blocker = asyncio.create_task(drain(gw.generate("blocker " * 3, SP, request_id="blocker")))
+    await spin()
+    cold = [asyncio.create_task(drain(gw.generate(f"cold {i} " * 6, SP, request_id=f"cold{i}")))
+            for i in range(3)]
+    hot = asyncio.create_task(drain(gw.generate(warm + "second", SP, request_id="hot")))
+    await spin()
+    engine.step.set()
+    await asyncio.gather(blocker, hot, *cold)
+    assert engine.started[2] == "hot"  # newest, but its prefix is resident
+
+
+async def test_aging_bound_is_deterministic_with_a_fake_clock():
+    """A cold request that the prefix policy keeps passing over (a hot sibling is always
+    waiting) is dispatched at the first decision after its wait exceeds
+    max(min_aging_wait, max_wait_factor × median recent wait), and not before."""
+    clock = FakeClock()
+    engine = FakeEngine(block_size=4, clock=clock, output_time=1.0)  # one request per second
+    gw = Gateway(engine, GatewayConfig(ordering="prefix", max_in_flight=1, max_wait_factor=2.0,
+                                       min_aging_wait=3.0), clock=clock)
+    hot = "hot shared prefix " * 3
+    tasks = [asyncio.create_task(drain(gw.generate(hot + "q0", SP, request_id="q0")))]
+    await spin()
+    cold = gw.generate("zzz cold and alone " * 2, SP, request_id="cold")
+    tasks.append(asyncio.create_task(drain(cold)))
+    for i in range(1, 8):  # a hot sibling arrives each second, just before the running one ends
+        tasks.append(asyncio.create_task(drain(gw.generate(hot + f"q{i}", SP, request_id=f"q{i}"))))
+        await spin()
+        await clock.advance(1.0)
+        await spin()
+    await clock.advance(5.0)
+    await asyncio.gather(*tasks)
+    wait = cold.ticket.dispatched_at - cold.ticket.arrival
+    # Passed over at t = 1, 2, 3 (its wait is not above the bound of 3 s); aged at t = 4.
+    assert engine.started[:5] == ["q0", "q1", "q2", "q3", "cold"]
+    assert wait == 4.0 and gw._scheduler.aged_dispatches == 1
+    bound = max(3.0, 2.0 * gw.statistics().median_wait)
+    assert bound < wait <= bound + 1.0  # the first decision after the bound
+
+
+async def test_a_noisy_tenant_cannot_take_the_whole_window():
+    engine = FakeEngine(step=asyncio.Event())
+    config = GatewayConfig(ordering="fcfs", max_in_flight=4,
+                           tenants={"noisy": TenantLimits(max_in_flight_share=0.5)})
+    gw = Gateway(engine, config)
+    noisy = [asyncio.create_task(drain(gw.generate(f"n{i}", SP, tenant="noisy", request_id=f"n{i}")))
+             for i in range(10)]
+    await spin()
+    quiet = [asyncio.create_task(drain(gw.generate(f"q{i}", SP, tenant="quiet", request_id=f"q{i}")))
+             for i in range(2)]
+    await spin()
+    assert engine.started[:4] == ["n0", "n1", "n2", "n3"]  # alone, noisy may use the window
+    engine.step.set()
+    await asyncio.gather(*noisy, *quiet)
+    # As soon as slots free, the quiet tenant (fewest in flight) goes first.
+    assert engine.started[4:6] == ["q0", "q1"]
+
+
+async def test_tenant_rate_limit_paces_the_blocking_path_and_refuses_the_non_blocking_one():
+    clock = FakeClock()
+    engine = FakeEngine()
+    gw = Gateway(engine, GatewayConfig(tenants={"acme": TenantLimits(rate=2)}), clock=clock)
+    tasks = [asyncio.create_task(drain(gw.generate(f"a{i}", SP, tenant="acme", request_id=f"a{i}")))
+             for i in range(5)]
+    await spin(20)
+    assert len(engine.started) == 2
+    with pytest.raises(RateLimited) as info:
+        gw.try_generate("x", SP, tenant="acme")
+    assert info.value.retry_after == pytest.approx(1.0)
+    await clock.advance(1.0)
+    await spin(20)
+    assert len(engine.started) == 4
+    await clock.advance(1.0)
+    await asyncio.gather(*tasks)
+    assert len(engine.started) == 5
+    await drain(gw.generate("other tenants are not limited", SP, tenant="zeta"))
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match=r"GatewayConfig\.ordering must be one of"):
+        GatewayConfig(ordering="lifo")
+    with pytest.raises(ValueError, match="kv_budget"):
+        GatewayConfig(kv_budget=0)
+    with pytest.raises(ValueError, match=r"TenantLimits\.max_in_flight_share"):
+        TenantLimits(max_in_flight_share=2)
+    with pytest.raises(ValueError, match=r"GatewayConfig\.tenants"):
+        GatewayConfig(tenants={"a": 3})
