@@ -419,23 +419,18 @@ class Gateway:
             ticket.outcome = Outcome.ENGINE_ERROR
             raise EngineError(f"engine failed on {ticket.request_id}: {e}") from e
         finally:
-            ticket.finished_at = self.clock.now()
-            self._scheduler.finish(ticket)
-            self._live.pop(ticket.request_id, None)
             if ticket.outcome is None:  # pragma: no cover - every path above sets it
                 ticket.outcome = Outcome.ENGINE_ERROR
-            self._stats.end(ticket)
-            if not self._scheduler.running:
-                self._idle.set()
-            if self._scheduler.num_waiting:
-                self._pump_now()
+            self._release(ticket)
             if dispatched and ticket.outcome is not Outcome.COMPLETED and self._dead is None:
                 with contextlib.suppress(Exception):
                     await self.engine.abort(ticket.request_id)
 
-    def _abandon(self, ticket: Ticket) -> None:
-        """Ends a ``try_generate`` ticket that was dispatched but never iterated."""
-        ticket.outcome = Outcome.CANCELLED
+    def _release(self, ticket: Ticket) -> None:
+        """Ends ``ticket``: frees its queue slot or window slot and blocks, counts its outcome,
+        and dispatches what now fits. Idempotent; runs as soon as the outcome is known."""
+        if ticket.finished_at is not None:
+            return
         ticket.finished_at = self.clock.now()
         self._scheduler.finish(ticket)
         self._live.pop(ticket.request_id, None)
@@ -443,10 +438,17 @@ class Gateway:
         if not self._scheduler.running:
             self._idle.set()
         if self._scheduler.num_waiting:
-            with contextlib.suppress(RuntimeError):  # no running loop (interpreter teardown)
-                self._schedule_pump()
+            self._pump_now()
+
+    def _abandon(self, ticket: Ticket) -> None:
+        """Ends a ``try_generate`` ticket that was dispatched but never iterated."""
+        ticket.outcome = Outcome.CANCELLED
+        with contextlib.suppress(RuntimeError):  # no running loop (interpreter teardown)
+            self._release(ticket)
 
     def _on_complete(self, ticket: Ticket, last: Any) -> None:
+        """Records the finished output and frees the ticket's engine slot at once: the
+        consumer may take its time with the last output, the next request need not wait."""
         ticket.outcome = Outcome.COMPLETED
         ticket.cached_tokens = getattr(last, "num_cached_tokens", None)
         completions = getattr(last, "outputs", None) or ()
@@ -458,6 +460,7 @@ class Gateway:
             chain = block_hashes(computed, self.engine.block_size, ticket.namespace,
                                  seed=self.config.key_seed, known=ticket.block_hashes)
             self._mirror.insert(chain)
+        self._release(ticket)
 
     def __repr__(self) -> str:
         return (f"Gateway(engine={self.engine!r}, queued={self._scheduler.num_waiting}, "

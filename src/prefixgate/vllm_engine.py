@@ -117,6 +117,7 @@ class VllmEngine:
         self._block_size = int(cfg.cache_config.block_size)
         self._num_blocks = int(cfg.cache_config.num_gpu_blocks or 0)
         self._max_model_len = int(cfg.model_config.max_model_len)
+        self._max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
         self._model_name = str(cfg.model_config.served_model_name or cfg.model_config.model)
         self._tokenizer = engine.get_tokenizer()
         self._feed = feed or _KvStatsFeed(self._num_blocks, clock or MonotonicClock())
@@ -178,6 +179,11 @@ class VllmEngine:
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The most requests vLLM runs at once (the gateway's default in-flight window)."""
+        return self._max_num_seqs
 
     @property
     def tokenizer(self) -> Tokenizer:
