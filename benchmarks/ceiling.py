@@ -135,10 +135,11 @@ def kappa(prefill_b1: float, prefill_l: float, min_prefill: float) -> float | No
         min_prefill: ``U_b`` from :class:`Ceiling`.
 
     Returns:
-        κ, or ``None`` when bare vLLM already computed no more than the minimum (nothing was
-        avoidable, so the ratio is undefined).
+        κ. When nothing was avoidable (bare vLLM already at the minimum, as with a burst of
+        short shared prefixes), κ is 1.0 if L is at the minimum too and ``None`` otherwise (the
+        ratio is undefined; compare the prefill tokens directly).
     """
     avoidable = prefill_b1 - min_prefill
     if avoidable <= 0:
-        return None
+        return 1.0 if prefill_l <= min_prefill else None
     return (prefill_b1 - prefill_l) / avoidable

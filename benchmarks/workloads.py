@@ -418,8 +418,9 @@ class _TextMaker:
         return text.rstrip()
 
     def question(self, tokens: int) -> str:
-        """A unique-looking question of about ``tokens`` tokens."""
-        body = self.text(max(1, tokens - 2), "prose")
+        """A unique-looking question; with the blank line before it, about ``tokens`` tokens."""
+        frame = self.count("\n\nQuestion: ?") if self.tokenizer is not None else 1
+        body = self.text(max(1, tokens - frame), "prose")
         return "Question: " + body.rstrip(".") + "?"
 
 

@@ -66,10 +66,11 @@ async def bare_vllm(engine, prompts, sp, tag):
 
     async def one(i, prompt):
         ids = engine.tokenizer.encode(prompt)
-        first = None
+        first, cached = None, 0
         async for out in engine.generate(EngineRequest(f"{tag}-{i}", ids, sp)):
             first = first or time.perf_counter()
-        return first, out.num_cached_tokens, len(ids)
+            cached = out.num_cached_tokens
+        return first, cached, len(ids)
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))

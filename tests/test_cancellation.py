@@ -11,8 +11,8 @@ import gc
 
 import pytest
 
-from prefixgate import Gateway, GatewayConfig, Outcome
-from prefixgate.testing import FakeEngine, FakeSamplingParams
+from prefixgate import Gateway, GatewayConfig, Outcome, ShuttingDown
+from prefixgate.testing import FakeClock, FakeEngine, FakeSamplingParams
 
 SP = FakeSamplingParams(max_tokens=50)
 
@@ -154,3 +154,39 @@ async def test_cancelled_consumer_leaves_no_running_request_in_vllm(vllm_engine)
     assert llm.get_num_unfinished_requests() == 0
     assert vllm_engine.kv_stats().running == 0
     assert gw.statistics().outcomes == {"cancelled": 1} and gw._live == {}
+
+
+async def test_closing_with_a_timeout_aborts_what_still_runs():
+    clock = FakeClock()
+    engine = FakeEngine(clock=clock, output_time=1.0)
+    gw = Gateway(engine, clock=clock)
+    task = asyncio.create_task(drain_all(gw.generate("slow", SP, request_id="slow")))
+    await spin()
+    closing = asyncio.create_task(gw.aclose(timeout=5.0))
+    await spin()
+    await clock.advance(5.0)
+    await closing
+    assert engine.aborted[0] == "slow"
+    await clock.advance(1.0)
+    with pytest.raises(ShuttingDown):
+        await task
+    assert_nothing_held(gw, engine)
+    assert gw.statistics().outcomes == {"shutting_down": 1}
+
+
+async def test_an_engine_side_abort_is_an_explicit_error_not_a_completion():
+    from prefixgate import EngineError
+    from prefixgate.sim import SimEngine
+
+    sim = SimEngine(block_size=4, num_blocks=64, max_model_len=128)
+    gw = Gateway(sim, clock=sim.clock)
+    stream = gw.generate("abort me from the engine side", FakeSamplingParams(max_tokens=20))
+    with pytest.raises(EngineError, match="aborted"):
+        async for _ in stream:
+            await sim.abort(stream.request_id)
+    assert stream.ticket.outcome is Outcome.ENGINE_ERROR
+    assert gw.statistics().outcomes == {"engine_error": 1}
+
+
+async def drain_all(stream):
+    return [o async for o in stream]

@@ -298,13 +298,16 @@ def small_sim(**kw) -> SimEngine:
 def test_sim_engine_is_an_engine_and_its_clock_a_clock():
     sim = SimEngine()
     assert isinstance(sim, Engine) and isinstance(sim.clock, Clock)
-    assert (sim.block_size, sim.num_blocks, sim.max_model_len, sim.model_name) == (16, 4096, 32768, "sim")
+    assert (sim.block_size, sim.num_blocks, sim.max_model_len, sim.model_name) == (16, 4095, 32768, "sim")
     assert sim.kv_stats() is None and sim.num_preemptions == 0
 
 
 async def test_steps_take_model_time_and_outputs_are_cumulative():
-    sim = small_sim()
+    steps = []
+    sim = small_sim(on_step=lambda start, seconds, plan: steps.append(
+        (start, seconds, plan.prefill_tokens, plan.decode_seqs)))
     outs = await collect(sim, "r", list(range(10)), max_tokens=3)
+    assert steps == [(0.0, 2.0, 10, 0), (2.0, 1.01, 0, 1), (3.01, 1.01, 0, 1)]
     assert [o.outputs[0].token_ids for o in outs] == [(7,), (7, 7), (7, 7, 7)]
     assert [o.finished for o in outs] == [False, False, True]
     assert outs[-1].outputs[0].finish_reason == "length" and outs[-1].prompt_token_ids == tuple(range(10))
@@ -338,7 +341,7 @@ async def test_concurrent_arrivals_at_one_instant_share_the_first_step():
         assert sim.clock.now() == 0.0
         return await collect(sim, "late", [*range(8), 2])
 
-    first, late = await asyncio.gather(collect(sim, "first", [*range(8), 1]), late_submitter())
+    _, late = await asyncio.gather(collect(sim, "first", [*range(8), 1]), late_submitter())
     assert late[-1].num_cached_tokens == 8  # scheduled in the same step, after "first"
     assert sim.kv_stats().steps == 1
 
@@ -350,7 +353,7 @@ async def test_the_same_trace_gives_the_same_outputs_and_times():
         prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
 
         async def client(i: int):
-            outs = await collect(sim, f"r{i}", rng.choice(prefixes) + [i], max_tokens=rng.randrange(1, 9),
+            outs = await collect(sim, f"r{i}", [*rng.choice(prefixes), i], max_tokens=rng.randrange(1, 9),
                                  delay=rng.expovariate(2.0) * i)
             return sim.clock.now(), outs[-1].num_cached_tokens, len(outs)
 
@@ -364,12 +367,29 @@ async def test_the_same_trace_gives_the_same_outputs_and_times():
 
 async def test_the_engine_goes_idle_with_no_task_left_behind():
     sim = small_sim()
-    before = len(asyncio.all_tasks())
-    await collect(sim, "r", [1, 2, 3], max_tokens=2)
-    for _ in range(5):
-        await asyncio.sleep(0)
-    assert len(asyncio.all_tasks()) == before
-    assert repr(sim.clock).endswith("pending=0)")
+
+    def own_tasks() -> list[asyncio.Task]:
+        return [t for t in asyncio.all_tasks() if (frame := t.get_coro().cr_frame) is not None
+                and frame.f_locals.get("self") in (sim, sim.clock)]
+
+    stream = sim.generate(EngineRequest("r", [1, 2, 3], FakeSamplingParams(2)))
+    await stream.__anext__()
+    assert len(own_tasks()) == 2  # the step loop and the clock's driver
+    async for _ in stream:
+        pass
+    await sim.clock.sleep(0)  # a barrier: the step loop finds no work and exits
+    await asyncio.sleep(0.01)  # block (on a real timer) so the driver sees the loop idle and exits
+    assert own_tasks() == [] and repr(sim.clock).endswith("pending=0)")
+
+
+async def test_two_simulations_share_one_event_loop_without_disturbing_each_other():
+    async def alone() -> tuple[float, int]:
+        sim = small_sim()
+        outs = await collect(sim, "r", list(range(10)), max_tokens=5)
+        return sim.clock.now(), outs[-1].num_cached_tokens
+
+    reference = await alone()
+    assert await asyncio.gather(alone(), alone()) == [reference, reference]
 
 
 async def test_clock_wakes_sleepers_in_deadline_order_and_ignores_cancelled_ones():
@@ -400,11 +420,11 @@ async def test_kv_stats_count_evictable_blocks_as_free_and_accumulate():
 
     await watch()
     during = seen[0][1]
-    assert during.total_blocks == 21 and during.running == 1 and during.steps == 1
-    assert during.free_blocks == round(17 / 20 * 21)  # a holds 3 of 20 usable blocks
+    assert during.total_blocks == 20 and during.running == 1 and during.steps == 1
+    assert during.free_blocks == 17  # a holds 3 of 20 usable blocks
     assert during.time == pytest.approx(1.9)
     after = sim.kv_stats()
-    assert after.free_blocks == 21 and after.running == 0 and after.usage == 0.0  # cached, evictable
+    assert after.free_blocks == 20 and after.running == 0 and after.usage == 0.0  # cached, evictable
     assert (after.prefix_queries, after.prefix_hits) == (9, 0)
     await collect(sim, "b", list(range(9)))
     assert (sim.kv_stats().prefix_queries, sim.kv_stats().prefix_hits) == (18, 8)

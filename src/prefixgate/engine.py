@@ -77,7 +77,7 @@ class KvStats:
 
     Attributes:
         time: When the step was recorded, on the gateway's clock.
-        total_blocks: KV capacity in blocks.
+        total_blocks: KV capacity in blocks that requests can use.
         free_blocks: Blocks not held by a running request.
         running: Requests the engine is running.
         waiting: Requests waiting inside the engine.
@@ -123,7 +123,8 @@ class Engine(Protocol):
 
     @property
     def num_blocks(self) -> int:
-        """KV capacity in blocks."""
+        """KV capacity in blocks that requests can use (vLLM: ``num_gpu_blocks`` less its
+        null block)."""
         ...
 
     @property

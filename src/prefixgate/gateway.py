@@ -288,11 +288,17 @@ class Gateway:
                 ticket.granted.set_exception(ShuttingDown("gateway is shutting down"))
         if self._scheduler.running:
             self._idle.clear()
+            idle = asyncio.ensure_future(self._idle.wait())
+            waits = {idle}
+            if timeout is not None:  # on the gateway's clock: the simulator's time is virtual
+                waits.add(asyncio.ensure_future(self.clock.sleep(timeout)))
             try:
-                await asyncio.wait_for(self._idle.wait(), timeout)
-            except TimeoutError:
-                for ticket in list(self._scheduler.running):
-                    await self.engine.abort(ticket.request_id)
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            for ticket in list(self._scheduler.running):
+                await self.engine.abort(ticket.request_id)
 
     # -- the async shell --------------------------------------------------------------------
 
@@ -400,9 +406,15 @@ class Gateway:
                     if ticket.first_output_at is None:
                         ticket.first_output_at = self.clock.now()
                     if getattr(out, "finished", False):
+                        if _aborted(out):  # by our own aclose(timeout), or behind our back
+                            if self._closing:
+                                raise ShuttingDown(f"{ticket.request_id} aborted: gateway closed")
+                            raise EngineError(f"the engine aborted {ticket.request_id}")
                         self._on_complete(ticket, out)  # before the yield: callers may stop here
                     yield out
             if ticket.outcome is not Outcome.COMPLETED:
+                if self._closing:
+                    raise ShuttingDown(f"{ticket.request_id} aborted: gateway closed")
                 raise EngineError(f"engine ended {ticket.request_id} without a finished output")
         except (asyncio.CancelledError, GeneratorExit):
             if ticket.outcome is not Outcome.COMPLETED:
@@ -465,6 +477,11 @@ class Gateway:
     def __repr__(self) -> str:
         return (f"Gateway(engine={self.engine!r}, queued={self._scheduler.num_waiting}, "
                 f"running={len(self._scheduler.running)}, closing={self._closing})")
+
+
+def _aborted(out: Any) -> bool:
+    completions = getattr(out, "outputs", None) or ()
+    return bool(completions) and getattr(completions[0], "finish_reason", None) == "abort"
 
 
 def _is_delta(sampling_params: Any) -> bool:

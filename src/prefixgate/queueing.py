@@ -312,7 +312,7 @@ class Scheduler:
                 self.blocked = reason
                 break
             self._dequeue(ticket)
-            self.admission.ledger.reserve(ticket, blocks)
+            self.admission.reserve(ticket, blocks)
             self.mirror.insert(ticket.block_hashes)
             ticket.state = TicketState.RUNNING
             ticket.predicted_hit_tokens = hit_blocks * self.admission.block_size

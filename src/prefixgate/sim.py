@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,10 +73,11 @@ class SimClock:
     sleeper, and repeats; when nothing sleeps it exits, and the next :meth:`sleep` restarts it.
 
     Quiescence is read from the loop's ready queue (``loop._ready``, private but a plain deque
-    in CPython 3.11-3.13). On loops without it (uvloop), the driver yields
-    ``fallback_yields`` times instead, which is enough for shallow await chains only. Work
-    outside the loop (threads, subprocesses, real timers) is not waited for: code under
-    simulation must take all its time from this clock.
+    of ``Handle`` objects in CPython 3.11-3.13) by a probe callback that re-queues itself until
+    only probes (of this or another ``SimClock`` on the same loop) are ready. On loops without
+    it (uvloop), the probe re-queues ``fallback_yields`` times instead, which is enough for
+    shallow await chains only. Work outside the loop (threads, subprocesses, sockets, real
+    timers) is not waited for: code under simulation must take all its time from this clock.
 
     Invariants: ``now()`` never decreases; it changes only while the loop is quiescent; sleepers
     wake in deadline order, ties in the order they began sleeping, one at a time.
@@ -108,7 +109,7 @@ class SimClock:
         """
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # a new loop: events of the old one can never fire
-            self._loop, self._events, self._driver = loop, [], None
+            self._loop, self._events, self._driver, self._cancelled = loop, [], None, 0
         fut: asyncio.Future[None] = loop.create_future()
         heapq.heappush(self._events, (self._now + max(0.0, seconds), self._seq, fut))
         self._seq += 1
@@ -124,20 +125,36 @@ class SimClock:
                 self._cancelled = 0
             raise
 
-    async def _settle(self, loop: asyncio.AbstractEventLoop) -> None:
-        ready = getattr(loop, "_ready", None)
-        await asyncio.sleep(0)
-        if isinstance(ready, deque):
-            while ready:
-                await asyncio.sleep(0)
-        else:  # pragma: no cover - non-CPython event loops
-            for _ in range(self._fallback_yields):
-                await asyncio.sleep(0)
+    def _probe(self, done: asyncio.Future[None], ready: deque[Any] | None, left: int) -> None:
+        """A callback that re-queues itself until nothing but probes is ready, then sets ``done``.
+
+        Being a plain callback, not a task step, it lets the probes of several clocks sharing
+        one loop recognise each other instead of each seeing the other as pending work.
+        """
+        if done.done():
+            return
+        if ready is not None:
+            for handle in ready:
+                if getattr(getattr(handle, "_callback", None), "__func__", None) is not SimClock._probe \
+                        and not handle.cancelled():
+                    break
+            else:
+                done.set_result(None)
+                return
+        elif left <= 0:  # pragma: no cover - non-CPython event loops
+            done.set_result(None)
+            return
+        done.get_loop().call_soon(self._probe, done, ready, left - 1)
 
     async def _drive(self, loop: asyncio.AbstractEventLoop) -> None:
+        ready = getattr(loop, "_ready", None)
+        if not isinstance(ready, deque):  # pragma: no cover - non-CPython event loops
+            ready = None
         try:
             while True:
-                await self._settle(loop)
+                quiescent: asyncio.Future[None] = loop.create_future()
+                loop.call_soon(self._probe, quiescent, ready, self._fallback_yields)
+                await quiescent
                 events = self._events
                 while events and events[0][2].done():  # cancelled sleepers: no time passes
                     heapq.heappop(events)
@@ -203,6 +220,8 @@ class SimEngine:
             when ``None``.
         model_name: The served model's name.
         clock: The virtual clock; a new :class:`SimClock` when ``None``.
+        on_step: Called after each step with its start time, its duration and its
+            :class:`~prefixgate.sim_pool.StepPlan` (for instrumentation).
 
     Raises:
         ValueError: If a size is not a positive int, or one ``max_model_len`` sequence does not
@@ -213,7 +232,8 @@ class SimEngine:
                  max_num_batched_tokens: int = 8192, max_model_len: int = 32768,
                  enable_caching: bool = True, step_time: StepTimeModel | None = None,
                  tokenizer: Tokenizer | None = None, model_name: str = "sim",
-                 clock: SimClock | None = None) -> None:
+                 clock: SimClock | None = None,
+                 on_step: Callable[[float, float, StepPlan], None] | None = None) -> None:
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
                             ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -234,6 +254,7 @@ class SimEngine:
         self._task: asyncio.Task[None] | None = None
         self._stats: KvStats | None = None
         self._dead: BaseException | None = None
+        self._on_step = on_step
 
     # -- Engine properties --------------------------------------------------------------------
 
@@ -247,7 +268,13 @@ class SimEngine:
 
     @property
     def num_blocks(self) -> int:
-        return self._core.pool.num_blocks
+        """Blocks requests can use: the pool less vLLM's null block (as ``VllmEngine`` reports)."""
+        return self._core.pool.num_blocks - 1
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The most requests run at once."""
+        return self._core.max_num_seqs
 
     @property
     def max_model_len(self) -> int:
@@ -381,8 +408,9 @@ class SimEngine:
     # -- the step loop ------------------------------------------------------------------------
 
     def _kick(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._task = loop.create_task(self._run())
 
     def _apply_inputs(self) -> None:
         core, inputs = self._core, self._inputs
@@ -410,13 +438,16 @@ class SimEngine:
                     idle_steps += 1
                     if idle_steps > 1:
                         raise RuntimeError(f"scheduler made no progress: {core!r}")
-                    self._record(plan)
+                    self._record()
                     continue
                 idle_steps = 0
-                await clock.sleep(self.step_time.seconds(plan.prefill_tokens, plan.decode_seqs))
+                start, seconds = clock.now(), self.step_time.seconds(plan.prefill_tokens, plan.decode_seqs)
+                await clock.sleep(seconds)
                 for req in core.update(plan):
                     req.stream.wake()
-                self._record(plan)
+                self._record()
+                if self._on_step is not None:
+                    self._on_step(start, seconds, plan)
         except Exception as e:  # a bug in the simulator: fail every stream, accept no more
             self._dead = e
             for req in list(self._live.values()):
@@ -426,12 +457,11 @@ class SimEngine:
             if self._task is asyncio.current_task():
                 self._task = None
 
-    def _record(self, plan: StepPlan) -> None:
+    def _record(self) -> None:
         core = self._core
-        total = core.pool.num_blocks
-        usage = 1.0 - core.pool.num_free / (total - 1)  # vLLM's kv_cache_usage (null block excluded)
+        # vLLM's kv_cache_usage is 1 - free / (pool - null block); VllmEngine inverts it exactly.
         self._stats = KvStats(
-            time=self.clock.now(), total_blocks=total, free_blocks=round((1.0 - usage) * total),
+            time=self.clock.now(), total_blocks=core.pool.num_blocks - 1, free_blocks=core.pool.num_free,
             running=len(core.running), waiting=len(core.waiting), prefix_queries=core.prefix_queries,
             prefix_hits=core.prefix_hits, preemptions=core.num_preemptions, steps=core.steps)
 

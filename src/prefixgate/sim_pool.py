@@ -22,7 +22,8 @@ against vLLM 0.26 and 0.32, whose behaviour here is the same:
   a block, the last running request is preempted (blocks freed, back to the head of the
   waiting queue, recomputed later); a step that preempted admits no waiting request.
 * ``num_cached_tokens`` is the hit found when the request is first scheduled; prefix-cache
-  queries and hits are counted then, never for resumed requests.
+  queries and hits are counted then, never for resumed requests (as 0.32 does; 0.26 counts
+  every lookup, also those of a request that then did not fit and is looked up again).
 
 Nothing here awaits; :class:`~prefixgate.sim.SimEngine` is the async shell around it.
 """
@@ -215,8 +216,8 @@ class SimRequest:
         hash_prompt: Whether to hash the prompt now (off when caching is disabled).
     """
 
-    __slots__ = ("blocks", "finish_reason", "hashes", "max_tokens", "namespace", "num_cached_blocks",
-                 "num_cached_tokens", "num_computed", "num_output", "num_preemptions",
+    __slots__ = ("blocks", "finish_reason", "finished", "hashes", "max_tokens", "namespace",
+                 "num_cached_blocks", "num_cached_tokens", "num_computed", "num_output", "num_preemptions",
                  "num_prompt_tokens", "num_tokens", "prompt", "reads_cache", "request_id", "status",
                  "stream")
 
@@ -238,6 +239,7 @@ class SimRequest:
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
         self.status = Status.WAITING
+        self.finished = False  # status is FINISHED or ABORTED (a plain slot: read every output)
         self.finish_reason: str | None = None
         self.stream: Any = None  # the async shell's per-request state
 
@@ -247,11 +249,6 @@ class SimRequest:
             tokens = self.prompt + (OUTPUT_TOKEN,) * self.num_output
             self.hashes = list(block_hashes(tokens[: num_blocks * block_size], block_size, self.namespace,
                                             known=self.hashes))
-
-    @property
-    def finished(self) -> bool:
-        """Whether the request has ended (completed or aborted)."""
-        return self.status is Status.FINISHED or self.status is Status.ABORTED
 
     def __repr__(self) -> str:
         return (f"SimRequest({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
@@ -328,6 +325,7 @@ class SimScheduler:
             self.waiting.remove(request)
         self._free(request)
         request.status = Status.ABORTED
+        request.finished = True
         request.finish_reason = "abort"
         return request
 
@@ -361,8 +359,7 @@ class SimScheduler:
                 i += 1
                 continue
             end = computed + n  # fast path (most decodes): no new block, nothing to register
-            if (end <= len(request.blocks) * bs
-                    and not (caching and request.num_tokens // bs > request.num_cached_blocks)):
+            if end <= len(request.blocks) * bs and not (caching and end // bs > request.num_cached_blocks):
                 scheduled.append((request, n))
                 budget -= n
                 i += 1
@@ -424,6 +421,7 @@ class SimScheduler:
             request.num_tokens += 1
             if request.num_output >= request.max_tokens or request.num_tokens >= max_model_len:
                 request.status = Status.FINISHED
+                request.finished = True
                 request.finish_reason = "length"
                 self._free(request)
                 del self.requests[request.request_id]

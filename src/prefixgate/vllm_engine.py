@@ -115,7 +115,8 @@ class VllmEngine:
         if not cfg.cache_config.enable_prefix_caching:
             raise ValueError("VllmEngine needs an engine built with enable_prefix_caching=True")
         self._block_size = int(cfg.cache_config.block_size)
-        self._num_blocks = int(cfg.cache_config.num_gpu_blocks or 0)
+        # vLLM reserves block 0 as its null block; requests can use the rest.
+        self._num_blocks = max(0, int(cfg.cache_config.num_gpu_blocks or 0) - 1)
         self._max_model_len = int(cfg.model_config.max_model_len)
         self._max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
         self._model_name = str(cfg.model_config.served_model_name or cfg.model_config.model)
@@ -141,7 +142,7 @@ class VllmEngine:
             engine_args.enable_prefix_caching = True
         feed = _KvStatsFeed(0, clock or MonotonicClock())
         engine = AsyncLLMEngine.from_engine_args(engine_args, stat_loggers=[feed.logger_factory()])
-        feed.total_blocks = int(engine.vllm_config.cache_config.num_gpu_blocks or 0)
+        feed.total_blocks = max(0, int(engine.vllm_config.cache_config.num_gpu_blocks or 0) - 1)
         return cls(engine, clock=clock, feed=feed)
 
     def _attach_feed(self) -> None:

