@@ -57,9 +57,10 @@ class GatewayConfig:
             ``"fcfs"`` or ``"priority"``.
         max_queue_len: The most requests waiting; more are refused with ``QueueFull``.
         queue_timeout: Seconds a request may wait before ``QueueTimeout``; ``None``: no limit.
-        max_wait_factor: Aging bound: a request that has waited longer than this many times the
-            median recent wait is dispatched before anything newer.
-        min_aging_wait: Waits below this many seconds never trigger aging.
+        max_wait_factor: Aging bound: a request that newer ones have overtaken and that has
+            waited longer than this many times the median recent wait goes next.
+        min_aging_wait: Waits below this many seconds never trigger aging, and requests that
+            arrive within this many seconds of each other do not count as overtaking.
         tenants: Per-tenant :class:`TenantLimits`; others get ``default_tenant_limits``.
         default_tenant_limits: Limits for tenants not listed (and for ``tenant=None``).
 

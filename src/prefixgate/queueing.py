@@ -7,8 +7,10 @@ fairness and the KV window apply to all of them.
 
 How a ticket is chosen, in order:
 
-1. **Aging.** If the oldest waiting ticket has waited more than ``max_wait_factor`` × the
-   median wait of recently dispatched tickets, it goes first, whatever the policy says.
+1. **Aging.** If the oldest waiting ticket has been overtaken (a ticket that arrived more than
+   ``min_aging_wait`` after it was dispatched) and has waited more than ``max_wait_factor`` ×
+   the median wait of recently dispatched tickets, it goes first, whatever the policy says.
+   Tickets that arrived together (a burst) do not overtake each other: the policy orders them.
 2. **Tenant fairness.** Among tenants with waiting tickets (and under their in-flight share),
    the one with the fewest tickets in flight, then the least recently served, goes next.
 3. **Policy.** Within that tenant's queue, the policy's smallest key, or for a *circular* policy
@@ -184,6 +186,7 @@ class Scheduler:
         self._last_key: dict[str | None, Any] = {}
         self._last_head: dict[str | None, Any] = {}
         self.recent_waits: deque[float] = deque(maxlen=256)
+        self.newest_dispatched_arrival = float("-inf")
         self.aged_dispatches = 0
         self.blocked: str | None = None
 
@@ -244,8 +247,8 @@ class Scheduler:
             return None
         oldest = self.by_age[0]
         median = self.median_wait()
-        if median is None:
-            return None
+        if median is None or self.newest_dispatched_arrival - oldest.arrival <= self.min_aging_wait:
+            return None  # nothing newer has gone ahead of it
         bound = max(self.min_aging_wait, self.max_wait_factor * median)
         return oldest if now - oldest.arrival > bound else None
 
@@ -324,6 +327,7 @@ class Scheduler:
             self._last_key[ticket.tenant] = self.policy.sort_key(ticket)
             self._last_head[ticket.tenant] = ticket.block_hashes[:1]
             self.recent_waits.append(now - ticket.arrival)
+            self.newest_dispatched_arrival = max(self.newest_dispatched_arrival, ticket.arrival)
             self.aged_dispatches += aged is not None
             out.append(Dispatch(ticket, hit_blocks, blocks))
         return out
