@@ -65,8 +65,8 @@ class GatewayConfig:
         default_tenant_limits: Limits for tenants not listed (and for ``tenant=None``).
 
     Admission:
-        max_in_flight: The most requests handed to the engine at once; ``None`` uses the
-            engine's ``max_num_seqs`` when it has one.
+        max_in_flight: The most requests handed to the engine at once; ``None`` uses twice
+            the engine's ``max_num_seqs`` when it has one (the KV ledger limits it further).
         kv_budget: Share of the engine's KV blocks that in-flight reservations may take.
         output_reserve: Share of ``max_tokens`` reserved in KV blocks for output. 1.0 means an
             admitted request can never be preempted for lack of blocks.
