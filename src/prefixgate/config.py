@@ -87,7 +87,7 @@ class GatewayConfig:
     ordering: str = "prefix"
     max_queue_len: int = 10_000
     queue_timeout: float | None = None
-    max_wait_factor: float = 1.5
+    max_wait_factor: float = 2.0
     min_aging_wait: float = 0.05
     tenants: Mapping[str, TenantLimits] = field(default_factory=dict)
     default_tenant_limits: TenantLimits = field(default_factory=TenantLimits)

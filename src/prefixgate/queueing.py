@@ -7,6 +7,9 @@ fairness and the KV window apply to all of them.
 
 How a ticket is chosen, in order:
 
+0. **Riders.** Under a circular policy, a waiting sibling of the last dispatch (sharing at
+   least half its cacheable prefix) goes next: it reuses the prefix just loaded. A group is
+   finite, so this defers the steps below by at most one group.
 1. **Aging.** If the oldest waiting ticket has been overtaken (a ticket that arrived more than
    ``min_aging_wait`` after it was dispatched) and has waited more than ``max_wait_factor`` ×
    the median wait of recently dispatched tickets, it goes first, whatever the policy says.
@@ -184,7 +187,8 @@ class Scheduler:
         self._served: dict[str | None, int] = {}
         self._serial = 0
         self._last_key: dict[str | None, Any] = {}
-        self._last_head: dict[str | None, Any] = {}
+        self._last_hashes: dict[str | None, tuple[Any, ...]] = {}
+        self._last_tenant: str | None = None
         self.recent_waits: deque[float] = deque(maxlen=256)
         self.newest_dispatched_arrival = float("-inf")
         self.aged_dispatches = 0
@@ -268,14 +272,27 @@ class Scheduler:
             best = min(self.queues, key=lambda t: (self.running_by_tenant[t], self._served.get(t, -1)))
         return best
 
+    def _rider(self) -> Ticket | None:
+        """For a circular policy, the next ticket of the group being dispatched, if any: one that
+        shares at least half its cacheable prefix with the last dispatch. It rides along on the
+        prefix just loaded, ahead of aging and fairness (a group is finite, so this is bounded)."""
+        tenant = self._last_tenant
+        if not self.circular or tenant not in self.queues or tenant not in self._last_key:
+            return None
+        ticket = self.queues[tenant].after(self._last_key[tenant])
+        last = self._last_hashes[tenant]
+        shared = 0
+        for a, b in zip(ticket.block_hashes[: ticket.cacheable_blocks], last, strict=False):
+            if a != b:
+                break
+            shared += 1
+        return ticket if shared and 2 * shared >= ticket.cacheable_blocks else None
+
     def _pick(self, tenant: str | None) -> Ticket:
         queue = self.queues[tenant]
         if not self.circular or tenant not in self._last_key:
             return queue.first()
         ticket = queue.after(self._last_key[tenant])
-        head = ticket.block_hashes[:1]
-        if head and head == self._last_head.get(tenant):
-            return ticket  # same group as the last dispatch: keep going
         # A group ended: prefer an old ticket whose prefix the engine still holds.
         best, best_hits = ticket, self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
         for i, other in enumerate(self.by_age):
@@ -291,6 +308,9 @@ class Scheduler:
         """The ticket that should go next, or ``None`` when nothing waits. Pure."""
         if not self.by_age:
             return None
+        rider = self._rider()
+        if rider is not None:
+            return rider
         aged = self._aged(self.clock.now())
         return aged if aged is not None else self._pick(self._tenant())
 
@@ -306,8 +326,11 @@ class Scheduler:
             if self.max_in_flight is not None and len(self.running) >= self.max_in_flight:
                 self.blocked = "max_in_flight"
                 break
-            aged = self._aged(now)
-            ticket = aged if aged is not None else self._pick(self._tenant())
+            aged = None
+            ticket = self._rider()
+            if ticket is None:
+                aged = self._aged(now)
+                ticket = aged if aged is not None else self._pick(self._tenant())
             hit_blocks = self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
             blocks = self.admission.need(ticket, hit_blocks)
             reason = self.admission.blocked_reason(blocks)
@@ -325,7 +348,8 @@ class Scheduler:
             self._serial += 1
             self._served[ticket.tenant] = self._serial
             self._last_key[ticket.tenant] = self.policy.sort_key(ticket)
-            self._last_head[ticket.tenant] = ticket.block_hashes[:1]
+            self._last_hashes[ticket.tenant] = ticket.block_hashes
+            self._last_tenant = ticket.tenant
             self.recent_waits.append(now - ticket.arrival)
             self.newest_dispatched_arrival = max(self.newest_dispatched_arrival, ticket.arrival)
             self.aged_dispatches += aged is not None
