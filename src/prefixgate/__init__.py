@@ -17,7 +17,7 @@ from .canonicalize import (
     canonicalize_text,
 )
 from .clock import Clock, FakeClock, MonotonicClock
-from .config import GatewayConfig
+from .config import GatewayConfig, TenantLimits
 from .engine import Engine, EngineRequest, KvStats, SamplingCheck, Tokenizer
 from .errors import (
     EngineDead,
@@ -35,9 +35,10 @@ from .errors import (
     RetryableRejection,
     ShuttingDown,
 )
-from .gateway import Gateway, ResponseStream
+from .gateway import Gateway
 from .keys import BlockHash, Namespace, block_hashes
 from .statistics import GatewayStatistics
+from .streaming import ResponseStream
 from .tickets import Ticket, TicketState
 from .vllm_engine import VllmEngine
 
@@ -73,6 +74,7 @@ __all__ = (
     "RetryableRejection",
     "SamplingCheck",
     "ShuttingDown",
+    "TenantLimits",
     "Ticket",
     "TicketState",
     "Tokenizer",
