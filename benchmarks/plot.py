@@ -1,7 +1,8 @@
 """Plot benchmark results: one row per JSON file, three panels per row.
 
-Panels: throughput (req/s) per arm; token hit rate per arm against the ceiling H*; TTFT p50 and
-p99 per arm. Error bars span the repeats (min to max)::
+Workload panels: throughput (req/s) per arm; token hit rate per arm against the ceiling H*; TTFT
+p50 and p99 per arm. A scenario's row draws the three metrics its JSON names under ``panels``,
+one bar per variant. Error bars span the repeats (min to max)::
 
     python -m benchmarks.plot benchmarks/results/W1-sim.json benchmarks/results/W3-sim.json \\
         --out benchmarks/results/sim.png
@@ -35,12 +36,18 @@ def _bars(ax: Any, result: Mapping[str, Any], metric: str, title: str) -> None:
     values = [result["arms"][a].get(metric) or 0.0 for a in arms]
     spreads = [_spread(result["arms"][a], metric) for a in arms]
     err = [[s[0] for s in spreads], [s[1] for s in spreads]]
-    ax.bar(arms, values, color=[_COLORS.get(a, "#7e57c2") for a in arms], yerr=err, capsize=3)
+    ax.bar(range(len(arms)), values, color=[_color(a) for a in arms], yerr=err, capsize=3)
+    ax.set_xticks(range(len(arms)), arms, rotation=30 if len(arms) > 4 else 0,
+                  ha="right" if len(arms) > 4 else "center", fontsize=7 if len(arms) > 4 else 9)
     for i, (v, (_, above)) in enumerate(zip(values, spreads, strict=True)):
         ax.annotate(f"{v:.3g}", (i, v + above), xytext=(0, 2), textcoords="offset points",
                     ha="center", va="bottom", fontsize=8)
     ax.margins(y=0.15)
     ax.set_title(title, fontsize=9)
+
+
+def _color(label: str) -> str:
+    return _COLORS.get(label.split(" ")[0], "#7e57c2")
 
 
 def plot(results: Sequence[Mapping[str, Any]], out: Path) -> None:
@@ -51,8 +58,14 @@ def plot(results: Sequence[Mapping[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = len(results)
-    fig, axes = plt.subplots(rows, 3, figsize=(13, 3.3 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, 3, figsize=(13, 3.8 * rows), squeeze=False)
     for row, result in zip(axes, results, strict=True):
+        if "panels" in result:
+            label = (f"{result['scenario']} ({result.get('workload')}) · {result['engine']} · "
+                     f"size {result['params'].get('size')}")
+            for ax, (metric, title) in zip(row, result["panels"], strict=False):
+                _bars(ax, result, metric, f"{label}\n{title}" if ax is row[0] else title)
+            continue
         label = (f"{result['workload']} · {result['engine']} · size {result['params'].get('size')}")
         kappa = (result.get("ratios") or {}).get("kappa")
         _bars(row[0], result, "req_per_s", f"{label}\nthroughput (req/s)"

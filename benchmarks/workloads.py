@@ -1,4 +1,4 @@
-"""Benchmark workloads W0–W5: deterministic request traces, generated from a seed.
+"""Benchmark workloads W0–W6: deterministic request traces, generated from a seed.
 
 Every workload is a :class:`Shape` (how many prefix groups, how long, which order and arrival
 process, how much KV) in three sizes: ``"gpu"`` (the shapes of the design brief, for an H200),
@@ -8,9 +8,8 @@ shape, a seed and the engine's tokenizer into a :class:`Trace`; the same inputs 
 same trace.
 
 Prompt lengths are measured with the tokenizer passed in (the engine's own), so a "2048-token
-prefix" is 2048 tokens to the engine that serves it. Text comes from a fixed word list in prose,
-code and JSON shapes, and is canonical (prefixgate's default whitespace rules leave it unchanged):
-W3's noise is the only whitespace the canonicalizer has to undo.
+prefix" is 2048 tokens to the engine that serves it. The text itself (canonical prose, code and
+JSON, and W3's whitespace noise) comes from :mod:`benchmarks.text`.
 """
 
 from __future__ import annotations
@@ -18,10 +17,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
+
+from .text import EDIT_KINDS, TextMaker, TextTokenizer, apply_whitespace_edits
 
 __all__ = [
     "ARRIVAL_KINDS",
@@ -37,46 +38,12 @@ __all__ = [
     "apply_whitespace_edits",
     "make_trace",
     "shape_for",
+    "tenant_mix",
 ]
 
-WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W5")
+WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W5", "W6")
 SIZES = ("gpu", "cpu", "sim")
 ARRIVAL_KINDS = ("burst", "poisson", "closed")
-EDIT_KINDS = ("crlf", "trailing_spaces", "double_space", "tab", "blank_line")
-
-# Words that the tiny Llama tokenizer (tests/fixtures/make_tiny_model.py) encodes as one token each.
-_WORD_TEXT = """
-the of and to in is that for it as was with be by on not he this are or his from at which but
-have an they you were her she there been one all we their has would when if so no will can more
-about out up them some could what into than its time only other new two may first any like now
-my such make over our even most me state after also made many did must before back see through
-way where get much go well your know should down work year because come people just say each
-those take day good how long use very own between both life being under three never same last
-another while us off might great old since against came right used system user assistant
-question answer document context retrieval cache prefix token block model server request response
-latency throughput memory queue engine tenant policy schedule batch stream output input prompt
-value error result function class return import def self none true false null list dict string
-number object array key data file path name type config
-"""
-_WORDS = tuple(_WORD_TEXT.split())
-
-# Code shapes: four-space indentation, single inner spaces, no blank-line runs (canonical).
-_CODE = (
-    "def {a}({b}, {c}):\n    if {b} is None:\n        return {c}\n    return {b} + {c}",
-    "class {A}:\n    def __init__(self, {b}):\n        self.{b} = {b}\n        self.{c} = []",
-    "for {a} in range({n}):\n    if {a} % 2 == 0:\n        {b}.append({a})",
-    "import {a}\nfrom {b} import {c}\n{d} = {a}.{c}(\"{b}\")",
-    "if ({a} != null) {{\n    return {b}.{c}({d});\n}}",
-)
-
-
-class TextTokenizer(Protocol):
-    """What a workload needs of the engine's tokenizer: token counts, and cutting to a length."""
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``."""
-        ...
-
 
 @dataclass(frozen=True, slots=True)
 class Arrivals:
@@ -126,6 +93,7 @@ class TraceRequest:
             loop).
         max_tokens: Output tokens to generate (``ignore_eos``).
         tenant: Tenant name, or ``None``.
+        cold: Whether the prompt shares nothing with any other (W6's cache-cold requests).
     """
 
     prompt: str
@@ -134,11 +102,12 @@ class TraceRequest:
     arrival: float
     max_tokens: int
     tenant: str | None = None
+    cold: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """The shape of a shared-prefix workload (W1–W5); W0 reads its own fields.
+    """The shape of a shared-prefix workload (W1–W6); W0 reads its own fields.
 
     Attributes:
         groups: Prefix groups (shared documents / system prompts).
@@ -152,6 +121,8 @@ class Shape:
         zipf_alpha: Zipf exponent for ``popularity="zipf"``.
         noise_p: Probability that a request's shared part gets ``noise_edits`` whitespace edits.
         noise_edits: Edits per noisy request.
+        cold_requests: Extra requests whose whole prompt (``prefix_tokens`` + ``suffix_tokens``)
+            is unique, mixed in at random positions, each its own group (W6).
         kv_cap_tokens: KV capacity to give the engine, in tokens; ``None`` for the engine default.
         replicas: Engine replicas the workload is meant for (W5).
         arrival: ``"burst"``, ``"poisson"`` or ``"closed"``.
@@ -176,6 +147,7 @@ class Shape:
     zipf_alpha: float = 1.1
     noise_p: float = 0.0
     noise_edits: int = 3
+    cold_requests: int = 0
     kv_cap_tokens: int | None = None
     replicas: int = 1
     arrival: str = "burst"
@@ -198,6 +170,8 @@ class Shape:
             raise ValueError(f"Shape.order must be 'shuffled' or 'tile', got {self.order!r}")
         if self.popularity not in ("even", "zipf"):
             raise ValueError(f"Shape.popularity must be 'even' or 'zipf', got {self.popularity!r}")
+        if self.cold_requests < 0:
+            raise ValueError(f"Shape.cold_requests must be >= 0, got {self.cold_requests}")
         if not 0.0 <= self.noise_p <= 1.0:
             raise ValueError(f"Shape.noise_p must be in [0, 1], got {self.noise_p}")
         self.arrivals()  # validates the arrival fields
@@ -320,9 +294,16 @@ def _shapes() -> Mapping[tuple[str, str], Shape]:
                    popularity="zipf", replicas=2)
     w5_cpu = Shape(groups=16, per_group=4, prefix_tokens=1024, suffix_tokens=32, max_tokens=8,
                    popularity="zipf", replicas=2)
+    # W6: hot shared-prefix groups plus cache-cold unique prompts (a quarter of the trace), at
+    # 90% of measured capacity: the starvation check of the prefix policy's aging bound.
+    w6_gpu = Shape(groups=8, per_group=48, prefix_tokens=2048, suffix_tokens=64, max_tokens=32,
+                   cold_requests=128, arrival="poisson", capacity_multiple=0.9)
+    w6_cpu = Shape(groups=4, per_group=12, prefix_tokens=1024, suffix_tokens=64, max_tokens=8,
+                   cold_requests=16, arrival="poisson", capacity_multiple=0.9)
     table = {
         "W0": (w0_gpu, w0_cpu), "W1": (w1_gpu, w1_cpu), "W2": (w2_gpu, w2_cpu),
         "W3": (w3_gpu, w3_cpu), "W4": (w4_gpu, w4_cpu), "W5": (w5_gpu, w5_cpu),
+        "W6": (w6_gpu, w6_cpu),
     }
     out: dict[tuple[str, str], Shape] = {}
     for name, (gpu, cpu) in table.items():
@@ -358,145 +339,6 @@ def _rng(workload: str, seed: int, purpose: str) -> random.Random:
     return random.Random(f"{workload}/{seed}/{purpose}")
 
 
-class _TextMaker:
-    """Random canonical text of a given token length, measured with ``tokenizer``."""
-
-    def __init__(self, rng: random.Random, tokenizer: TextTokenizer | None) -> None:
-        self.rng = rng
-        self.tokenizer = tokenizer
-
-    def count(self, text: str) -> int:
-        if self.tokenizer is None:
-            return len(text.split())
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def words(self, n: int) -> str:
-        return " ".join(self.rng.choice(_WORDS) for _ in range(n))
-
-    def _prose(self) -> str:
-        sentences = [self.words(self.rng.randint(6, 18)) + "." for _ in range(self.rng.randint(2, 4))]
-        return " ".join(s[0].upper() + s[1:] for s in sentences)
-
-    def _code(self) -> str:
-        w = [self.rng.choice(_WORDS) for _ in range(4)]
-        return self.rng.choice(_CODE).format(a=w[0], b=w[1], c=w[2], d=w[3], A=w[0].title(),
-                                             n=self.rng.randint(1, 999))
-
-    def _json(self) -> str:
-        obj: dict[str, Any] = {}
-        for _ in range(self.rng.randint(2, 6)):
-            key = self.rng.choice(_WORDS)
-            obj[key] = self.rng.choice([self.rng.choice(_WORDS), self.rng.randint(0, 9999), True, None,
-                                        [self.rng.choice(_WORDS) for _ in range(3)]])
-        return json.dumps(obj, indent=self.rng.choice([None, 2, 4]))
-
-    def _list(self) -> str:
-        return "\n".join("- " + self.words(self.rng.randint(3, 9)) for _ in range(self.rng.randint(2, 5)))
-
-    def paragraph(self, style: str) -> str:
-        if style == "prose":
-            return self._prose()
-        return self.rng.choice((self._prose, self._prose, self._code, self._json, self._list))()
-
-    def text(self, tokens: int, style: str) -> str:
-        """About ``tokens`` tokens of paragraphs separated by blank lines (exact when the
-        tokenizer can decode); always starts with prose, never ends in whitespace."""
-        parts = [self._prose()]
-        total = self.count(parts[0])
-        while total < tokens:
-            part = self.paragraph(style)
-            parts.append(part)
-            total += self.count("\n\n" + part)
-        text = "\n\n".join(parts)
-        decode = getattr(self.tokenizer, "decode", None)
-        if self.tokenizer is not None and decode is not None:
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) > tokens:
-                text = decode(ids[:tokens])
-        elif self.tokenizer is None:
-            text = _cut_words(text, tokens)
-        return text.rstrip()
-
-    def question(self, tokens: int) -> str:
-        """A unique-looking question; with the blank line before it, about ``tokens`` tokens."""
-        frame = self.count("\n\nQuestion: ?") if self.tokenizer is not None else 1
-        body = self.text(max(1, tokens - frame), "prose")
-        return "Question: " + body.rstrip(".") + "?"
-
-
-def _cut_words(text: str, n: int) -> str:
-    """The first ``n`` whitespace-separated words of ``text``, with their original spacing."""
-    count = 0
-    in_word = False
-    for i, ch in enumerate(text):
-        if ch.isspace():
-            if in_word:
-                count += 1
-                if count == n:
-                    return text[:i]
-            in_word = False
-        else:
-            in_word = True
-    return text
-
-
-# -- whitespace noise (W3) ---------------------------------------------------------------------
-
-
-def apply_whitespace_edits(text: str, rng: random.Random, n: int) -> str:
-    """Applies ``n`` random whitespace edits that prefixgate's default canonicalization undoes.
-
-    Edit kinds (:data:`EDIT_KINDS`): an LF becomes CRLF; spaces are added at a line's end; a space
-    between words is doubled; a space between words becomes a tab; a blank line is doubled. Only
-    whitespace is inserted or replaced, never indentation, so the non-whitespace characters and
-    the canonical form are unchanged.
-
-    Args:
-        text: Canonical text (LF newlines, no trailing or doubled spaces, single blank lines).
-        rng: The source of randomness.
-        n: How many edits.
-
-    Returns:
-        The edited text (``text`` itself when it has no place for any edit).
-    """
-    for _ in range(n):
-        chosen = rng.choice(EDIT_KINDS)
-        for kind in (chosen, *(k for k in EDIT_KINDS if k != chosen)):  # fall back if no spot
-            edited = _edit_once(text, rng, kind)
-            if edited is not None:
-                text = edited
-                break
-    return text
-
-
-def _edit_once(text: str, rng: random.Random, kind: str) -> str | None:
-    if kind in ("double_space", "tab"):
-        spots = [i for i in range(1, len(text) - 1) if text[i] == " "
-                 and text[i - 1] not in " \t\r\n" and text[i + 1] not in " \t\r\n"]
-        if not spots:
-            return None
-        i = rng.choice(spots)
-        return text[:i] + ("  " if kind == "double_space" else "\t") + text[i + 1:]
-    if kind == "crlf":
-        spots = [i for i in range(len(text)) if text[i] == "\n" and (i == 0 or text[i - 1] != "\r")]
-        if not spots:
-            return None
-        i = rng.choice(spots)
-        return text[:i] + "\r\n" + text[i + 1:]
-    if kind == "trailing_spaces":
-        spots = [i - 1 if i and text[i - 1] == "\r" else i for i in range(len(text)) if text[i] == "\n"]
-        if not spots:
-            return None
-        i = rng.choice(spots)
-        return text[:i] + rng.choice((" ", "  ", "   ", "\t")) + text[i:]
-    if kind == "blank_line":
-        spots = [i for i in range(len(text) - 1) if text[i] == "\n" and text[i + 1] == "\n"]
-        if not spots:
-            return None
-        i = rng.choice(spots)
-        return text[:i] + "\n" + text[i:]
-    raise ValueError(f"unknown edit kind {kind!r}")
-
 
 # -- traces ------------------------------------------------------------------------------------
 
@@ -531,7 +373,7 @@ def make_trace(workload: str, size: str = "sim", *, seed: int = 0,
     """Generates a workload's trace.
 
     Args:
-        workload: ``"W0"`` … ``"W5"``.
+        workload: ``"W0"`` … ``"W6"``.
         size: ``"gpu"``, ``"cpu"`` or ``"sim"``.
         seed: Same seed, same trace.
         tokenizer: The engine's tokenizer, to measure lengths; ``None`` counts words.
@@ -546,7 +388,7 @@ def make_trace(workload: str, size: str = "sim", *, seed: int = 0,
     """
     shape = shape_for(workload, size, overrides)
     text_rng = _rng(workload, seed, "text")
-    maker = _TextMaker(text_rng, tokenizer)
+    maker = TextMaker(text_rng, tokenizer)
     if workload == "W0":
         requests = _w0_requests(shape, maker)
     else:
@@ -561,11 +403,53 @@ def make_trace(workload: str, size: str = "sim", *, seed: int = 0,
         for name in [f.name for f in dataclasses.fields(shape) if f.name.startswith("calib_")]:
             params.pop(name)
     params.update(workload=workload, size=size, seed=seed, requests=len(requests),
-                  noisy_requests=sum(r.prompt != r.clean_prompt for r in requests))
+                  noisy_requests=sum(r.prompt != r.clean_prompt for r in requests),
+                  cold=sum(r.cold for r in requests))
     return Trace(workload, size, seed, shape, tuple(requests), arrivals, MappingProxyType(params))
 
 
-def _w0_requests(shape: Shape, maker: _TextMaker) -> list[TraceRequest]:
+def tenant_mix(parts: Sequence[tuple[str, Trace, float]], duration: float) -> Trace:
+    """One trace of several tenants' request streams, each Poisson at its own rate.
+
+    Args:
+        parts: ``(tenant, trace, rate)``: ``trace``'s requests, in order, tagged with ``tenant``
+            and sent at Poisson times of ``rate`` per second (drawn from the trace's seed and the
+            tenant's name) for ``duration`` seconds. Give each tenant a trace of its own text.
+        duration: Seconds of arrivals; each stream's requests after it are dropped.
+
+    Returns:
+        The merged trace, in arrival order; its shape is the first part's, its ``params`` list
+        each tenant's rate and request count.
+
+    Raises:
+        ValueError: If ``parts`` is empty, a rate is not positive, or a trace has too few
+            requests to last ``duration`` at its rate.
+    """
+    if not parts:
+        raise ValueError("tenant_mix needs at least one part")
+    merged: list[TraceRequest] = []
+    tenants: dict[str, Any] = {}
+    for tenant, trace, rate in parts:
+        if rate <= 0:
+            raise ValueError(f"tenant {tenant!r}: rate must be positive, got {rate}")
+        times = _poisson_times(_rng(trace.workload, trace.seed, f"arrivals/{tenant}"), rate,
+                               len(trace.requests))
+        if not times or times[-1] < duration:
+            raise ValueError(f"tenant {tenant!r}: {len(trace.requests)} requests at {rate:g}/s do not "
+                             f"last {duration:g} s; generate more")
+        mine = [dataclasses.replace(r, arrival=t, tenant=tenant)
+                for r, t in zip(trace.requests, times, strict=True) if t < duration]
+        tenants[tenant] = {"rate": rate, "requests": len(mine), "seed": trace.seed}
+        merged += mine
+    merged.sort(key=lambda r: r.arrival)
+    first = parts[0][1]
+    total = sum(rate for _, _, rate in parts)
+    params = dict(first.params, requests=len(merged), tenants=tenants, duration_s=duration, rate=total)
+    return dataclasses.replace(first, workload=f"{first.workload}-tenants", requests=tuple(merged),
+                               arrivals=Arrivals("poisson", total), params=MappingProxyType(params))
+
+
+def _w0_requests(shape: Shape, maker: TextMaker) -> list[TraceRequest]:
     out = []
     for i in range(shape.calib_prompts):
         text = maker.text(shape.calib_prompt_tokens, "prose")
@@ -576,7 +460,7 @@ def _w0_requests(shape: Shape, maker: _TextMaker) -> list[TraceRequest]:
     return out
 
 
-def _shared_prefix_requests(shape: Shape, maker: _TextMaker, order_rng: random.Random,
+def _shared_prefix_requests(shape: Shape, maker: TextMaker, order_rng: random.Random,
                             noise_rng: random.Random) -> list[TraceRequest]:
     prefixes = [maker.text(shape.prefix_tokens, shape.style) for _ in range(shape.groups)]
     out = []
@@ -588,4 +472,9 @@ def _shared_prefix_requests(shape: Shape, maker: _TextMaker, order_rng: random.R
             noisy = apply_whitespace_edits(shared, noise_rng, shape.noise_edits)
         out.append(TraceRequest(prompt=f"{noisy}\n\n{question}", clean_prompt=f"{shared}\n\n{question}",
                                 group=g, arrival=0.0, max_tokens=shape.max_tokens))
+    for i in range(shape.cold_requests):  # unique documents, at random places in the order
+        text = f"{maker.text(shape.prefix_tokens, shape.style)}\n\n{maker.question(shape.suffix_tokens)}"
+        out.insert(order_rng.randint(0, len(out)), TraceRequest(
+            prompt=text, clean_prompt=text, group=shape.groups + i, arrival=0.0,
+            max_tokens=shape.max_tokens, cold=True))
     return out

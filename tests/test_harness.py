@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import pytest
 
-from benchmarks.harness import (
-    ArmRun,
-    RequestRecord,
-    SimFactory,
-    arm_metrics,
-    gateway_config,
-    run_benchmark,
-    run_calibration,
-)
+from benchmarks.engines import SimFactory
+from benchmarks.harness import gateway_config, run_arm, run_benchmark, run_calibration
+from benchmarks.metrics import ArmRun, RequestRecord, arm_metrics
 from benchmarks.run import format_table
 from benchmarks.workloads import make_trace
 from prefixgate import CanonicalizeConfig
@@ -205,3 +200,51 @@ async def test_plot_writes_a_png(tmp_path):
     out = tmp_path / "fig.png"
     plot([result, result], out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_patient_clients_give_up_and_are_counted():
+    trace = tiny_trace(arrival="poisson", rate=50.0, max_tokens=64)
+    trace = dataclasses.replace(trace, requests=tuple(
+        dataclasses.replace(r, tenant="impatient" if i % 2 else "patient")
+        for i, r in enumerate(trace.requests)))
+    running = await sim_factory().start(caching=True, kv_cap_tokens=None)
+    run = await run_arm("L", 0, trace, running, patience={"impatient": 1e-4})
+    m = arm_metrics(run)
+    assert m["abandoned"] == m["by_tenant"]["impatient"]["abandoned"] == 3
+    assert m["by_tenant"]["patient"]["completed"] == 3 and m["errored"] == 3
+    assert all(r.error.startswith("ClientGaveUp") for r in run.records if r.abandoned)
+    assert m["completed"] + m["rejected"] + m["errored"] == m["offered"]
+    assert await running.engine.reset_prefix_cache()  # aborted requests left the engine
+
+
+async def test_refused_clients_record_retry_after_and_retry():
+    trace = tiny_trace(per_group=20, max_tokens=32)
+    running = await sim_factory().start(caching=True, kv_cap_tokens=None)
+    config = gateway_config("W1", {"max_queue_len": 2, "max_in_flight": 1})
+    once = await run_arm("L", 0, trace, running, config)
+    refused = [r for r in once.records if r.refusals]
+    assert refused and all(r.outcome == "rejected" and r.attempts == 1 for r in refused)
+    for r in refused:
+        (f,) = r.refusals
+        assert f.reason == "queue_full" and f.retry_after >= 0 and f.at == r.arrival
+        assert f.decision_s >= 0 and f.ingress_s >= 0
+    retried = await run_arm("L", 1, trace, running, config, retries=50)
+    m = arm_metrics(retried)
+    assert max(r.attempts for r in retried.records) > 1
+    assert m["completed"] + m["rejected"] + m["errored"] == m["offered"]
+    assert m["completed"] > arm_metrics(once)["completed"]
+
+
+def test_arm_metrics_queue_waits_cold_requests_goodput_and_tenants():
+    recs = [RequestRecord(arrival=0.0, first_output=f, finished=f + 1, prompt_tokens=10, outcome="completed",
+                          queue_wait=w, cold=c, tenant=t)
+            for f, w, c, t in [(0.5, 0.0, False, "a"), (1.0, 0.2, True, "a"), (3.0, 2.0, True, "b")]]
+    recs.append(RequestRecord(arrival=2.0, finished=2.0, outcome="rejected", tenant="b"))
+    m = arm_metrics(ArmRun("L", 0, 0.0, tuple(recs), 0), slo_ttft_s=1.0)
+    assert (m["queue_wait_p50_s"], m["queue_wait_p99_s"], m["max_cold_queue_wait_s"]) == (0.2, 2.0, 2.0)
+    assert m["cold_ttft_p99_s"] == 3.0
+    assert m["slo_met"] == 2 and m["goodput_req_per_s"] == pytest.approx(2 / 4.0)
+    assert m["window_s"] == 2.0 and m["goodput_window_req_per_s"] == pytest.approx(1.0)
+    assert m["by_tenant"]["b"] == {"offered": 2, "completed": 1, "rejected": 1, "errored": 0, "abandoned": 0,
+                                   "ttft_p50_s": 3.0, "ttft_p99_s": 3.0}
+    assert arm_metrics(ArmRun("B1", 0, 0.0, tuple(recs), 0))["goodput_req_per_s"] is None

