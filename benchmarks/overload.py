@@ -50,7 +50,6 @@ REFERENCE_LOAD = 0.8
 OVERLOAD_DURATION = {"sim": 60.0, "gpu": 60.0, "cpu": 20.0}
 RETRIES = 3
 CAPACITY_BURST = 4  # overload's capacity: B1 on a burst of 4× W4's requests (sim 1024, cpu 128)
-MIN_DIAGNOSTIC_BUDGET = 0.3  # below it the kv_budget diagnostic serves about one request at a time
 
 
 def admission_settings(slo_ttft_s: float) -> dict[str, Any]:
@@ -165,35 +164,17 @@ async def _setup(session: Session, workload: str, size: str, seed: int,
 
 async def overload(session: Session, size: str, seed: int) -> dict[str, Any]:
     """W4 at 2× capacity for ``OVERLOAD_DURATION`` seconds of arrivals (and 0.8× for reference):
-    B1, L with the SLO-derived admission settings, L with retrying clients, and a diagnostic L
-    with KV headroom for the prefixes its ledger does not count."""
-    base, slo, admission = await _setup(session, "W4", size, seed, CAPACITY_BURST)
+    B1, L with the SLO-derived admission settings, and L with retrying clients."""
+    _, slo, admission = await _setup(session, "W4", size, seed, CAPACITY_BURST)
     cap = session.notes["capacity_req_per_s"]
     duration = session.duration or OVERLOAD_DURATION[size]
     tokenizer = session.factory.tokenizer()
     traces = {f"{x}x": sustained("W4", size, seed, tokenizer, cap * x, duration, session.overrides)
               for x in (OVERLOAD_LOAD, REFERENCE_LOAD)}
     hi, lo = f"{OVERLOAD_LOAD}x", f"{REFERENCE_LOAD}x"
-    engine = session.engine
-    assert engine is not None
-    blocks = engine.engine.num_blocks
-    prefix_blocks = base.shape.groups * math.ceil(base.shape.prefix_tokens / engine.engine.block_size)
-    budget = round(1 - prefix_blocks / blocks, 3)
-    diagnostic = f"L kv_budget={budget} @{hi}"
-    # What a ledger that counted each shared prefix once would let run: the blocks left beside
-    # the resident prefixes, over each request's own blocks (suffix and output).
-    bs = engine.engine.block_size
-    own = math.ceil((base.shape.prefix_tokens + base.shape.suffix_tokens + base.shape.max_tokens) / bs) - (
-        base.shape.prefix_tokens // bs)
-    window = max(1, (blocks - prefix_blocks) // own)
-    windowed = f"L window={window} @{hi}"
     variants = [Variant(f"B1 @{hi}", "B1", hi), Variant(f"L @{hi}", "L", hi, admission),
                 Variant(f"L retry @{hi}", "L", hi, admission, retries=RETRIES),
-                Variant(diagnostic, "L", hi, {**admission, "kv_budget": budget}),
-                Variant(windowed, "L", hi, {**admission, "max_in_flight": window}),
                 Variant(f"B1 @{lo}", "B1", lo), Variant(f"L @{lo}", "L", lo, admission)]
-    if budget < MIN_DIAGNOSTIC_BUDGET:  # the prefixes fill the cache: one request at a time
-        variants.remove(next(v for v in variants if v.label == diagnostic))
     runs = await session.run(variants, traces)
     arms = summaries(variants, traces, runs, slo_ttft_s=slo, extra=_extra)
     retry = [_retry_client(r) for r in runs[f"L retry @{hi}"]]
@@ -214,16 +195,6 @@ async def overload(session: Session, size: str, seed: int) -> dict[str, Any]:
               note=f"with ingress (tokenize + keys) p99 {cost['total']['p99']:.0f} us"
               if cost["total"]["p99"] is not None else ""),
     ]
-    for label, note in ((diagnostic, "headroom for the shared prefixes the ledger does not count"),
-                        (windowed, "in flight: what fits beside the resident prefixes")):
-        if label in arms:
-            m = arms[label]
-            checks += [check(f"diagnostic {label}: preemptions (max over repeats) == 0",
-                             max(r["preemptions"] for r in m["repeats"]), 0, "==", note=note),
-                       check(f"diagnostic {label}: goodput >= 1.5 x B1's", m["goodput_req_per_s"],
-                             _times(1.5, b1["goodput_req_per_s"]), ">="),
-                       check(f"diagnostic {label}: p99 TTFT <= 1.5 x L's at {lo}", m["ttft_p99_s"],
-                             _times(1.5, l_lo["ttft_p99_s"]))]
     a0 = accuracy[0] if accuracy else {}
     unloaded = session.notes["unloaded"]
     summary = {
@@ -239,9 +210,6 @@ async def overload(session: Session, size: str, seed: int) -> dict[str, Any]:
             "retry_after_accuracy": accuracy, "reject_cost": cost, "columns": _COLUMNS, "panels": _PANELS,
             "params": {"slo_ttft_s": slo, "slo_rule": _slo_rule("W4"), "admission": admission,
                        "duration_s": duration, "loads": [OVERLOAD_LOAD, REFERENCE_LOAD],
-                       "kv_budget_diagnostic": {"kv_budget": budget, "prefix_blocks": prefix_blocks,
-                                                "engine_blocks": blocks},
-                       "window_diagnostic": {"max_in_flight": window, "own_blocks_per_request": own},
                        "traces": {k: dict(t.params) for k, t in traces.items()}}}
 
 

@@ -21,8 +21,12 @@ class _T:
         self.request_id = f"t{i}"
 
 
+_CHAINS = [tuple(f"{c}{j}" for j in range(6)) for c in "abc"]  # three prefix chains of keys
+
+
 class LedgerMachine(RuleBasedStateMachine):
-    """Random reserve / release / cancel / engine-stat updates against a model of the ledger."""
+    """Random reserve / release / cancel / engine-stat updates against a model of the ledger in
+    which a shared block is held while any ticket holding it is."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,23 +37,35 @@ class LedgerMachine(RuleBasedStateMachine):
         self.admission = Admission(self.ledger, block_size=4, output_reserve=1.0,
                                    default_output_tokens=4, watermark_blocks=2, stats_max_age=1.0,
                                    kv_stats=lambda: self.stats, clock=self.clock)
-        self.model: dict[int, int] = {}
+        self.model: dict[int, tuple[tuple[str, ...], int]] = {}
         self.tickets = [_T(i) for i in range(12)]
 
-    @rule(i=st.integers(0, 11), blocks=st.integers(0, 40))
-    def reserve(self, i, blocks):
-        t = self.tickets[i]
-        fits = self.ledger.can_reserve(blocks)
-        if i in self.model or not fits:
+    def _model_reserved(self, model: dict[int, tuple[tuple[str, ...], int]]) -> int:
+        shared = {key for keys, _ in model.values() for key in keys}
+        return len(shared) + sum(private for _, private in model.values())
+
+    @rule(i=st.integers(0, 11), chain=st.integers(0, 2), depth=st.integers(0, 6),
+          private=st.integers(0, 30))
+    def reserve(self, i, chain, depth, private):
+        t, shared = self.tickets[i], _CHAINS[chain][:depth]
+        after = {**self.model, -1: (shared, private)}
+        added = self._model_reserved(after) - self._model_reserved(self.model)
+        assert self.ledger.need(shared, private) == added
+        after = {**self.model, i: (shared, private)}
+        if i in self.model or added > self.ledger.free:
             with pytest.raises(ValueError):
-                self.ledger.reserve(t, blocks)
+                self.ledger.reserve(t, shared, private)
         else:
-            self.admission.reserve(t, blocks)
-            self.model[i] = blocks
+            if not self.model:
+                self.admission.busy_since = self.clock.now()  # what Admission.reserve does
+            assert self.ledger.reserve(t, shared, private) == added
+            self.model = after
 
     @rule(i=st.integers(0, 11))
     def release(self, i):  # also what a cancellation does; a second release frees nothing
-        assert self.ledger.release(self.tickets[i]) == self.model.pop(i, 0)
+        before = self._model_reserved(self.model)
+        self.model.pop(i, None)
+        assert self.ledger.release(self.tickets[i]) == before - self._model_reserved(self.model)
 
     @rule(free=st.integers(0, 64), age=st.floats(0, 3))
     def engine_reports(self, free, age):
@@ -74,24 +90,37 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def reserved_plus_free_is_capacity(self):
         assert self.ledger.reserved + self.ledger.free == self.capacity
-        assert self.ledger.reserved == sum(self.model.values())
+        assert self.ledger.reserved == self._model_reserved(self.model)
         assert 0 <= self.ledger.free <= self.capacity and len(self.ledger) == len(self.model)
 
 
 TestLedger = LedgerMachine.TestCase
 
 
-def test_need_counts_uncached_prompt_and_output_reserve():
+class _Req:
+    def __init__(self, tokens: int, max_tokens: int | None, keys: str, block: int = 16) -> None:
+        self.request_id = keys
+        self.num_prompt_tokens, self.max_tokens = tokens, max_tokens
+        self.block_hashes = tuple(keys[: tokens // block])
+        self.cacheable_blocks = (tokens - 1) // block
+
+
+def test_need_counts_unreserved_prompt_blocks_and_output_reserve():
     adm = Admission(BlockLedger(100), block_size=16, output_reserve=0.5, default_output_tokens=64,
                     watermark_blocks=0, stats_max_age=1.0, kv_stats=lambda: None, clock=FakeClock())
-
-    class T:
-        num_prompt_tokens, max_tokens = 100, 40
-
-    assert adm.need(T, hit_blocks=0) == 8  # ceil((100 + 20) / 16)
-    assert adm.need(T, hit_blocks=6) == 2  # ceil((100 - 96 + 20) / 16)
-    T.max_tokens = None
-    assert adm.need(T, hit_blocks=6) == 3  # ceil((4 + 32) / 16)
+    a = _Req(100, 40, "abcdefg")  # 6 full blocks, all cacheable; 4 tokens + 20 reserved private
+    assert adm.need(a) == 8  # ceil((100 + 20) / 16)
+    assert adm.reserve(a) == 8
+    b = _Req(100, None, "abcdefg")  # a sibling: its 6 prompt blocks are held by a already
+    assert adm.need(b) == 3  # ceil((4 + 32) / 16)
+    assert adm.reserve(b) == 3 and adm.ledger.reserved == 11
+    assert adm.need(_Req(100, 40, "abcXYZ")) == 2 + 3 + 0  # shares blocks a, b, c only
+    assert adm.ledger.release(a) == 2  # a's private blocks; the prefix stays with b
+    assert adm.ledger.reserved == 9 and adm.need(_Req(100, 40, "abcdefg")) == 2
+    assert adm.ledger.release(b) == 9 and adm.ledger.reserved == 0
+    # A prompt of exactly 6 blocks: its last full block is recomputed, so it is private.
+    exact = _Req(96, 0, "abcdef")
+    assert adm.split(exact) == (("a", "b", "c", "d", "e"), 1)
 
 
 def _engine(blocks: int) -> FakeEngine:
@@ -186,6 +215,30 @@ async def test_overloaded_when_the_predicted_wait_exceeds_the_bound():
     assert info.value.reason == "predicted_wait" and info.value.retry_after == pytest.approx(2.5)
     engine.step.set()
     await asyncio.gather(*tasks[:3])
+
+
+async def test_predicted_wait_counts_requests_queued_inside_the_engine():
+    """In flight beyond max_num_seqs means waiting in the engine's queue: a new arrival waits
+    behind them even when the gateway's own queue is empty."""
+    engine = FakeEngine(block_size=4, num_blocks=1000, max_num_seqs=1)
+    clock = FakeClock()
+    gw = Gateway(engine, GatewayConfig(ordering="fcfs", max_queue_wait=2.0), clock=clock)
+    for t in (0.0, 1.0, 2.0):  # drain rate: 2 completions over 3 s = 2/3 per s
+        await _drain(gw.generate(f"warm {t}", FakeSamplingParams(1)))
+        await clock.advance(1.0)
+    engine.step = asyncio.Event()
+    tasks = [asyncio.create_task(_drain(gw.generate(f"r{i}", FakeSamplingParams(1))))
+             for i in range(2)]
+    await _spin()
+    stats = gw.statistics()
+    assert (stats.running, stats.queued) == (2, 0)  # window 2 x max_num_seqs: r1 waits in the engine
+    # r2 would wait behind r1: (1 + 1) / (2/3) = 3 s > 2 s.
+    with pytest.raises(Overloaded) as info:  # (accepted, it would wait for the held step)
+        await asyncio.wait_for(_drain(gw.generate("r2", FakeSamplingParams(1))), timeout=10)
+    assert info.value.reason == "predicted_wait" and info.value.retry_after == pytest.approx(1.0)
+    engine.step.set()
+    await asyncio.gather(*tasks)
+    assert gw.statistics().outcomes == {"completed": 5}
 
 
 async def _drain(stream):

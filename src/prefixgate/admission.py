@@ -2,9 +2,10 @@
 
 vLLM accepts everything; when its KV blocks run out it preempts and recomputes, and latency
 collapses for everyone. The gateway instead keeps a *block ledger*: every dispatched ticket
-reserves the blocks it will need, ``ceil((prompt − predicted hits + output reserve) / block)``,
-and the scheduler dispatches only while reservations fit, live engine stats agree, and a
-watermark is left free. Reservations belong to the ticket and are released when it ends,
+reserves the blocks it will need, ``ceil((prompt − hits on blocks already reserved + output
+reserve) / block)``, with shared prefix blocks counted once across running tickets; the
+scheduler dispatches only while reservations fit, live engine stats agree, and a watermark is
+left free. Reservations belong to the ticket and are released when it ends,
 however it ends.
 
 Pure and synchronous; the gateway's async shell calls it.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 from .clock import Clock
 from .engine import KvStats
@@ -24,11 +25,22 @@ __all__ = ["Admission", "BlockLedger", "DrainRate"]
 
 
 class BlockLedger:
-    """Per-ticket reservations of KV blocks against a fixed capacity.
+    """Per-ticket reservations of KV blocks against a fixed capacity, shared prefix blocks
+    counted once.
 
-    Invariant: ``reserved + free == capacity`` and ``0 <= reserved <= capacity`` at all times;
-    a ticket holds at most one reservation, and releasing it twice releases nothing the second
-    time.
+    vLLM keeps one copy of a full prompt block however many running requests use it, and
+    frees it only when the last of them ends. The ledger does the same: a reservation is a
+    ticket's *shared* blocks (keys of full prompt blocks, reference-counted across tickets)
+    plus its *private* blocks (the partial last block and the output reserve). A ticket is
+    charged for the shared blocks no other running ticket holds yet; a shared block comes back
+    when its last holder releases. Charging each ticket for its whole prompt instead would turn
+    away work that fits; charging the first holder alone (and freeing the block when it ends)
+    would let siblings run on blocks the ledger counts as free, which is how preemption storms
+    start.
+
+    Invariant: ``reserved == len(shared blocks held) + sum(private blocks)``,
+    ``reserved + free == capacity`` and ``0 <= reserved <= capacity`` at all times; a ticket
+    holds at most one reservation, and releasing it twice releases nothing the second time.
 
     Args:
         capacity: The engine's KV capacity in blocks.
@@ -42,46 +54,75 @@ class BlockLedger:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self.reserved = 0
-        self._held: dict[int, int] = {}
+        self._held: dict[int, tuple[tuple[Hashable, ...], int]] = {}
+        self._refs: dict[Hashable, int] = {}
 
     @property
     def free(self) -> int:
         """Blocks not reserved by any ticket."""
         return self.capacity - self.reserved
 
+    @property
+    def shared_blocks(self) -> int:
+        """Distinct shared blocks held by at least one ticket."""
+        return len(self._refs)
+
     def __len__(self) -> int:
         return len(self._held)
 
     def holds(self, ticket: Ticket) -> int:
-        """Blocks ``ticket`` holds (0 if none)."""
-        return self._held.get(id(ticket), 0)
+        """Blocks ``ticket`` uses, shared ones included (0 if it holds no reservation)."""
+        shared, private = self._held.get(id(ticket), ((), 0))
+        return len(shared) + private
+
+    def need(self, shared: Sequence[Hashable], private: int) -> int:
+        """Blocks a reservation of ``shared`` keys and ``private`` blocks would add now. Pure."""
+        return sum(1 for key in set(shared) if key not in self._refs) + private
 
     def can_reserve(self, blocks: int) -> bool:
         """Whether ``blocks`` more would fit. Pure."""
         return 0 <= blocks <= self.free
 
-    def reserve(self, ticket: Ticket, blocks: int) -> None:
-        """Reserves ``blocks`` for ``ticket``.
+    def reserve(self, ticket: Ticket, shared: Sequence[Hashable], private: int) -> int:
+        """Reserves ``shared`` (by key) and ``private`` blocks for ``ticket``; returns the blocks
+        it added to ``reserved``.
 
         Raises:
-            ValueError: If ``ticket`` already holds a reservation, ``blocks`` is negative, or it
-                does not fit (callers check :meth:`can_reserve` first).
+            ValueError: If ``ticket`` already holds a reservation, ``private`` is negative, or
+                it does not fit (callers check :meth:`need` and :meth:`can_reserve` first).
         """
         if id(ticket) in self._held:
-            raise ValueError(f"{ticket.request_id} already holds {self._held[id(ticket)]} blocks")
-        if not self.can_reserve(blocks):
-            raise ValueError(f"cannot reserve {blocks} blocks with {self.free} free")
-        self._held[id(ticket)] = blocks
-        self.reserved += blocks
+            raise ValueError(f"{ticket.request_id} already holds {self.holds(ticket)} blocks")
+        if private < 0:
+            raise ValueError(f"private blocks must be >= 0, got {private}")
+        keys = tuple(dict.fromkeys(shared))
+        added = self.need(keys, private)
+        if not self.can_reserve(added):
+            raise ValueError(f"cannot reserve {added} blocks with {self.free} free")
+        for key in keys:
+            self._refs[key] = self._refs.get(key, 0) + 1
+        self._held[id(ticket)] = (keys, private)
+        self.reserved += added
+        return added
 
     def release(self, ticket: Ticket) -> int:
-        """Releases ``ticket``'s reservation; returns how many blocks it held (0 if none)."""
-        blocks = self._held.pop(id(ticket), 0)
-        self.reserved -= blocks
-        return blocks
+        """Releases ``ticket``'s reservation; returns how many blocks came free (0 if it held
+        none; shared blocks other tickets still hold stay reserved)."""
+        keys, private = self._held.pop(id(ticket), ((), 0))
+        freed = private
+        for key in keys:
+            refs = self._refs[key] - 1
+            if refs:
+                self._refs[key] = refs
+            else:
+                del self._refs[key]
+                freed += 1
+        self.reserved -= freed
+        return freed
 
     def __repr__(self) -> str:
-        return f"BlockLedger(reserved={self.reserved}, free={self.free}, tickets={len(self._held)})"
+        return (f"BlockLedger(reserved={self.reserved}, free={self.free}, tickets={len(self._held)}, "
+                f"shared={len(self._refs)})")
 
 
 class DrainRate:
@@ -146,11 +187,24 @@ class Admission:
         self.drain = DrainRate(clock)
         self.busy_since = 0.0
 
-    def need(self, ticket: Ticket, hit_blocks: int) -> int:
-        """Blocks ``ticket`` needs if ``hit_blocks`` of its prompt are served from cache."""
+    def split(self, ticket: Ticket) -> tuple[Sequence[Hashable], int]:
+        """``ticket``'s shared block keys and its count of private blocks. Pure.
+
+        Shared: the full prompt blocks that can ever hit (``cacheable_blocks``; vLLM recomputes
+        the last prompt token, so a prompt's last full block is not reused by an identical
+        prompt). Private: the rest of the prompt plus the output reserve, at least one block.
+        """
         out = ticket.max_tokens if ticket.max_tokens is not None else self.default_output_tokens
-        tokens = ticket.num_prompt_tokens - hit_blocks * self.block_size + out * self.output_reserve
-        return max(1, math.ceil(tokens / self.block_size))
+        shared = ticket.block_hashes[: ticket.cacheable_blocks]
+        rest = ticket.num_prompt_tokens - len(shared) * self.block_size + out * self.output_reserve
+        private = math.ceil(rest / self.block_size)
+        return shared, max(private, 1)  # the prompt's last token always lands in a private block
+
+    def need(self, ticket: Ticket) -> int:
+        """Blocks dispatching ``ticket`` now would add to the ledger: its prompt blocks no
+        running ticket holds (cached-but-idle blocks count: the engine's free count includes
+        them and using them takes them out of it), plus its private blocks. Pure."""
+        return self.ledger.need(*self.split(ticket))
 
     def blocked_reason(self, blocks: int) -> str | None:
         """Why ``blocks`` more cannot be dispatched now, or ``None`` if they can. Pure."""
@@ -167,11 +221,12 @@ class Admission:
             return "kv_free_low"
         return None
 
-    def reserve(self, ticket: Ticket, blocks: int) -> None:
-        """Reserves ``blocks`` for a ticket being dispatched (see :meth:`BlockLedger.reserve`)."""
+    def reserve(self, ticket: Ticket) -> int:
+        """Reserves a dispatched ticket's blocks (see :meth:`BlockLedger.reserve`); returns the
+        blocks added."""
         if len(self.ledger) == 0:
             self.busy_since = self.clock.now()
-        self.ledger.reserve(ticket, blocks)
+        return self.ledger.reserve(ticket, *self.split(ticket))
 
     def fits(self, blocks: int) -> bool:
         """Whether ``blocks`` more can be dispatched now."""

@@ -77,6 +77,7 @@ class Gateway:
             # exactly max_num_seqs cost W1 a quarter of its throughput). The KV ledger still
             # holds back whatever would not fit, which is where ordering pays.
             max_in_flight = 2 * engine.max_num_seqs
+        self._engine_slots: int | None = getattr(engine, "max_num_seqs", None)
 
         self._scheduler = Scheduler(
             ORDERING_POLICIES[config.ordering](), admission=self._admission, mirror=self._mirror,
@@ -207,8 +208,7 @@ class Gateway:
         if self._scheduler.max_in_flight is not None and (
                 len(self._scheduler.running) >= self._scheduler.max_in_flight):
             return False
-        hits = self._mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
-        return self._admission.fits(self._admission.need(ticket, hits))
+        return self._admission.fits(self._admission.need(ticket))
 
     def statistics(self) -> GatewayStatistics:
         """A frozen snapshot of the gateway's counters and the engine's latest KV state."""
@@ -257,8 +257,15 @@ class Gateway:
             throttle = self._throttles[tenant] = TenantThrottle(limits.rate, self.clock)
         return throttle
 
+    def _ahead(self) -> int:
+        """Requests a new arrival would wait behind: the gateway's queue plus those in flight
+        beyond the engine's ``max_num_seqs``, which wait in the engine's own queue."""
+        running = len(self._scheduler.running)
+        backlog = max(0, running - self._engine_slots) if self._engine_slots else 0
+        return self._scheduler.num_waiting + backlog
+
     def _overloaded(self, reason: str) -> Overloaded:
-        wait = self._admission.estimated_wait(self._scheduler.num_waiting)
+        wait = self._admission.estimated_wait(self._ahead())
         return Overloaded(f"engine is full ({reason})", retry_after=wait if wait is not None else 1.0,
                           reason=reason)
 
@@ -267,9 +274,12 @@ class Gateway:
         if self._scheduler.blocked == "kv_stats_stale" and self._scheduler.num_waiting:
             raise self._overloaded("kv_stats_stale")
         bound = self.config.max_queue_wait
-        if bound is None or self._scheduler.blocked is None:
-            return  # the last pump emptied the queue: whatever waits now is dispatched next
-        wait = self._admission.estimated_wait(self._scheduler.num_waiting)
+        if bound is None:
+            return
+        ahead = self._ahead()
+        if self._scheduler.blocked is None and ahead == self._scheduler.num_waiting:
+            return  # nothing waits in the engine and the last pump emptied our queue
+        wait = self._admission.estimated_wait(ahead)
         if wait is not None and wait > bound:
             raise Overloaded(f"predicted queue wait {wait:.2f} s exceeds {bound} s",
                              retry_after=wait - bound, reason="predicted_wait")

@@ -138,7 +138,8 @@ class Dispatch:
     Attributes:
         ticket: The ticket (now RUNNING).
         hit_blocks: Leading prompt blocks predicted to be served from cache.
-        blocks: KV blocks reserved for it in the ledger.
+        blocks: KV blocks its reservation added to the ledger (shared blocks already held by
+            running tickets are not counted again).
     """
 
     ticket: Ticket
@@ -332,13 +333,12 @@ class Scheduler:
                 aged = self._aged(now)
                 ticket = aged if aged is not None else self._pick(self._tenant())
             hit_blocks = self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
-            blocks = self.admission.need(ticket, hit_blocks)
-            reason = self.admission.blocked_reason(blocks)
+            reason = self.admission.blocked_reason(self.admission.need(ticket))
             if reason is not None:
                 self.blocked = reason
                 break
             self._dequeue(ticket)
-            self.admission.reserve(ticket, blocks)
+            blocks = self.admission.reserve(ticket)
             self.mirror.insert(ticket.block_hashes)
             ticket.state = TicketState.RUNNING
             ticket.predicted_hit_tokens = hit_blocks * self.admission.block_size

@@ -73,7 +73,9 @@ class FakeEngine:
     Its cache remembers every full block it has seen (by tuple of all tokens up to the block's
     end), never evicts, and reports ``num_cached_tokens`` as vLLM would. Each output waits
     ``output_time`` seconds on ``clock`` if both are set, else for ``step`` (an
-    ``asyncio.Event`` tests can hold), else yields to the loop once.
+    ``asyncio.Event`` tests can hold), else yields to the loop once. ``max_num_seqs`` is only
+    reported (the gateway sizes its window and counts the engine's backlog from it); the fake
+    runs every request at once.
 
     Attributes:
         running: Request ids currently generating.
@@ -88,6 +90,7 @@ class FakeEngine:
     num_blocks: int = 1024
     max_model_len: int = 4096
     model_name: str = "fake-model"
+    max_num_seqs: int | None = None
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
     step: asyncio.Event | None = None
     clock: Clock | None = None
