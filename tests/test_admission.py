@@ -123,6 +123,29 @@ def test_need_counts_unreserved_prompt_blocks_and_output_reserve():
     assert adm.split(exact) == (("a", "b", "c", "d", "e"), 1)
 
 
+def test_wait_estimate_learns_how_much_longer_requests_really_wait():
+    clock = FakeClock()
+    adm = Admission(BlockLedger(100), block_size=16, output_reserve=1.0, default_output_tokens=16,
+                    watermark_blocks=0, stats_max_age=1.0, kv_stats=lambda: None, clock=clock)
+    for _ in range(3):  # 2 completions over 2 s: 1 per s
+        adm.drain.record()
+        clock._now += 1.0
+    clock._now -= 1.0
+    assert adm.raw_wait(3) == pytest.approx(4.0) and adm.estimated_wait(3) == pytest.approx(4.0)
+    for i in range(7):  # too few samples: no correction yet
+        adm.observe_wait(1.0 + i, 3.0 * (1.0 + i))
+    assert adm.wait_correction == 1.0
+    adm.observe_wait(2.0, 6.0)
+    assert adm.wait_correction == pytest.approx(3.0)
+    assert adm.estimated_wait(3) == pytest.approx(12.0)
+    for _ in range(64):  # the window slides: later requests wait as predicted
+        adm.observe_wait(1.0, 1.0)
+    assert adm.wait_correction == pytest.approx(1.0)
+    for _ in range(64):
+        adm.observe_wait(1.0, 100.0)
+    assert adm.wait_correction == 8.0  # clamped
+
+
 def _engine(blocks: int) -> FakeEngine:
     return FakeEngine(block_size=4, num_blocks=blocks, step=asyncio.Event())
 
@@ -218,8 +241,8 @@ async def test_overloaded_when_the_predicted_wait_exceeds_the_bound():
 
 
 async def test_predicted_wait_counts_requests_queued_inside_the_engine():
-    """In flight beyond max_num_seqs means waiting in the engine's queue: a new arrival waits
-    behind them even when the gateway's own queue is empty."""
+    """In flight beyond max_num_seqs means waiting in the engine's queue: once our own queue
+    holds requests, a new arrival waits behind both."""
     engine = FakeEngine(block_size=4, num_blocks=1000, max_num_seqs=1)
     clock = FakeClock()
     gw = Gateway(engine, GatewayConfig(ordering="fcfs", max_queue_wait=2.0), clock=clock)
@@ -228,17 +251,18 @@ async def test_predicted_wait_counts_requests_queued_inside_the_engine():
         await clock.advance(1.0)
     engine.step = asyncio.Event()
     tasks = [asyncio.create_task(_drain(gw.generate(f"r{i}", FakeSamplingParams(1))))
-             for i in range(2)]
+             for i in range(3)]
     await _spin()
     stats = gw.statistics()
-    assert (stats.running, stats.queued) == (2, 0)  # window 2 x max_num_seqs: r1 waits in the engine
-    # r2 would wait behind r1: (1 + 1) / (2/3) = 3 s > 2 s.
-    with pytest.raises(Overloaded) as info:  # (accepted, it would wait for the held step)
-        await asyncio.wait_for(_drain(gw.generate("r2", FakeSamplingParams(1))), timeout=10)
-    assert info.value.reason == "predicted_wait" and info.value.retry_after == pytest.approx(1.0)
+    # Window 2 x max_num_seqs: r0 runs, r1 waits in the engine, r2 in the gateway.
+    assert (stats.running, stats.queued, stats.blocked) == (2, 1, "max_in_flight")
+    # r3 would wait behind r2 and r1: (2 + 1) / (2/3) = 4.5 s > 2 s (r2 alone: 3 s, retry 1 s).
+    with pytest.raises(Overloaded) as info:
+        await _drain(gw.generate("r3", FakeSamplingParams(1)))
+    assert info.value.reason == "predicted_wait" and info.value.retry_after == pytest.approx(2.5)
     engine.step.set()
     await asyncio.gather(*tasks)
-    assert gw.statistics().outcomes == {"completed": 5}
+    assert gw.statistics().outcomes == {"completed": 6}
 
 
 async def _drain(stream):

@@ -23,6 +23,8 @@ from .tickets import Ticket
 
 __all__ = ["Admission", "BlockLedger", "DrainRate"]
 
+_MIN_WAIT_SAMPLES = 8
+
 
 class BlockLedger:
     """Per-ticket reservations of KV blocks against a fixed capacity, shared prefix blocks
@@ -186,6 +188,9 @@ class Admission:
         self.clock = clock
         self.drain = DrainRate(clock)
         self.busy_since = 0.0
+        self._waits: deque[tuple[float, float]] = deque(maxlen=64)
+        self._raw_sum = 0.0
+        self._actual_sum = 0.0
 
     def split(self, ticket: Ticket) -> tuple[Sequence[Hashable], int]:
         """``ticket``'s shared block keys and its count of private blocks. Pure.
@@ -232,11 +237,40 @@ class Admission:
         """Whether ``blocks`` more can be dispatched now."""
         return self.blocked_reason(blocks) is None
 
-    def estimated_wait(self, ahead: int) -> float | None:
-        """Seconds until ``ahead`` queued requests and then one more are dispatched, from the
-        recent drain rate; ``None`` while the rate is unknown."""
+    def raw_wait(self, ahead: int) -> float | None:
+        """Seconds until ``ahead`` requests and then one more are dispatched at the recent
+        drain rate, first come first served; ``None`` while the rate is unknown."""
         rate = self.drain.per_second()
         return None if rate is None else (ahead + 1) / rate
+
+    @property
+    def wait_correction(self) -> float:
+        """Observed over predicted queue wait of recent requests (1.0 until
+        ``_MIN_WAIT_SAMPLES`` were seen), clamped to [0.5, 8].
+
+        The raw estimate assumes first come first served; prefix ordering lets siblings of
+        resident prefixes overtake, and KV frees in waves as groups finish, so a request joining
+        a cold group waits longer than its place in line says (on W4 at 2x, 3-4x longer)."""
+        if len(self._waits) < _MIN_WAIT_SAMPLES or self._raw_sum <= 0:
+            return 1.0
+        return min(8.0, max(0.5, self._actual_sum / self._raw_sum))
+
+    def observe_wait(self, raw: float, actual: float) -> None:
+        """Records a request's raw predicted wait (:meth:`raw_wait` when it joined the queue)
+        against how long it waited (a lower bound if it left the queue undispatched)."""
+        if len(self._waits) == self._waits.maxlen:
+            old_raw, old_actual = self._waits[0]
+            self._raw_sum -= old_raw
+            self._actual_sum -= old_actual
+        self._waits.append((raw, actual))
+        self._raw_sum += raw
+        self._actual_sum += actual
+
+    def estimated_wait(self, ahead: int) -> float | None:
+        """Seconds until ``ahead`` queued requests and then one more are dispatched: the raw
+        estimate times :attr:`wait_correction`; ``None`` while the drain rate is unknown."""
+        raw = self.raw_wait(ahead)
+        return None if raw is None else raw * self.wait_correction
 
     def __repr__(self) -> str:
         return (f"Admission({self.ledger!r}, watermark={self.watermark_blocks}, "

@@ -223,6 +223,8 @@ class Scheduler:
         """Forgets ``ticket`` wherever it is and releases its blocks. Idempotent."""
         if ticket.state is TicketState.QUEUED:
             self._dequeue(ticket)
+            if ticket.predicted_wait is not None:  # it waited at least this long
+                self.admission.observe_wait(ticket.predicted_wait, self.clock.now() - ticket.arrival)
         elif ticket.state is TicketState.RUNNING:
             self.running.discard(ticket)
             self.running_by_tenant[ticket.tenant] -= 1
@@ -343,6 +345,8 @@ class Scheduler:
             ticket.state = TicketState.RUNNING
             ticket.predicted_hit_tokens = hit_blocks * self.admission.block_size
             ticket.dispatched_at = now
+            if ticket.predicted_wait is not None:
+                self.admission.observe_wait(ticket.predicted_wait, now - ticket.arrival)
             self.running.add(ticket)
             self.running_by_tenant[ticket.tenant] += 1
             self._serial += 1

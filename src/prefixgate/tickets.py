@@ -71,6 +71,7 @@ class Ticket:
     first_output_at: float | None = None
     finished_at: float | None = None
     predicted_hit_tokens: int | None = None
+    predicted_wait: float | None = None
     cached_tokens: int | None = None
     output_token_ids: tuple[int, ...] = ()
     granted: asyncio.Future[None] | None = field(default=None, repr=False)
