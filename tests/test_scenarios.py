@@ -127,7 +127,7 @@ async def test_no_reject_uses_the_same_admission_rule():
     result = await run_scenario("no-reject", sim_factory(), size="sim", repeats=2, overrides=TINY)
     assert_common(result, "no-reject")
     arm = result["arms"]["L @0.8x"]
-    assert arm["setup"]["gateway_config"]["queue_timeout"] == result["params"]["slo_ttft_s"]
+    assert arm["setup"]["gateway_config"]["queue_timeout"] == result["params"]["slo_ttft_s"] / 2
     first, second = arm["repeats"]  # the simulator is deterministic (up to float rounding of
     for key in ("completed", "rejected", "cached_tokens", "preemptions"):  # later clock readings)
         assert first[key] == second[key], key
