@@ -143,6 +143,34 @@ async def test_a_noisy_tenant_cannot_take_the_whole_window():
     assert engine.started[4:6] == ["q0", "q1"]
 
 
+async def test_siblings_do_not_ride_past_another_tenant():
+    """Riders and aging choose within the tenant fairness picked, not ahead of it."""
+    engine = FakeEngine(block_size=4, max_num_seqs=2, step=asyncio.Event())
+    gw = Gateway(engine, GatewayConfig())  # prefix ordering; window 4, 2 while tenants share
+    group = [asyncio.create_task(drain(gw.generate("shared document " * 6 + f"question {i}", SP,
+                                                   tenant="a", request_id=f"a{i}")))
+             for i in range(5)]
+    other = asyncio.create_task(drain(gw.generate("something else entirely", SP, tenant="b",
+                                                  request_id="b0")))
+    await spin()
+    assert engine.started == ["a0", "b0"]  # not a0, a1 (a rider), a2, a3
+    assert gw.statistics().blocked == "max_in_flight"  # the shared window: 2 = max_num_seqs
+    engine.step.set()
+    await asyncio.gather(*group, other)
+    assert engine.started[2:] == ["a1", "a2", "a3", "a4"]  # alone again: siblings in a row
+
+
+async def test_one_tenant_may_use_twice_max_num_seqs():
+    engine = FakeEngine(block_size=4, max_num_seqs=2, step=asyncio.Event())
+    gw = Gateway(engine, GatewayConfig())
+    tasks = [asyncio.create_task(drain(gw.generate(f"request {i}", SP, tenant="a")))
+             for i in range(6)]
+    await spin()
+    assert gw.statistics().running == 4 and gw.statistics().queued == 2
+    engine.step.set()
+    await asyncio.gather(*tasks)
+
+
 async def test_tenant_rate_limit_paces_the_blocking_path_and_refuses_the_non_blocking_one():
     clock = FakeClock()
     engine = FakeEngine()

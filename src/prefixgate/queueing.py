@@ -7,22 +7,26 @@ fairness and the KV window apply to all of them.
 
 How a ticket is chosen, in order:
 
-0. **Riders.** Under a circular policy, a waiting sibling of the last dispatch (sharing at
-   least half its cacheable prefix) goes next: it reuses the prefix just loaded. A group is
-   finite, so this defers the steps below by at most one group.
-1. **Aging.** If the oldest waiting ticket has been overtaken (a ticket that arrived more than
-   ``min_aging_wait`` after it was dispatched) and has waited more than ``max_wait_factor`` ×
-   the median wait of recently dispatched tickets, it goes first, whatever the policy says.
-   Tickets that arrived together (a burst) do not overtake each other: the policy orders them.
-2. **Tenant fairness.** Among tenants with waiting tickets (and under their in-flight share),
-   the one with the fewest tickets in flight, then the least recently served, goes next.
-3. **Policy.** Within that tenant's queue, the policy's smallest key, or for a *circular* policy
-   (``prefix``) the next key after the last one dispatched, wrapping around: the queue is sorted
-   by block-hash chain, so siblings that share a prefix are adjacent and dispatched together.
-   When a circular policy finishes a group it prefers, among the oldest few tickets, one whose
-   prefix is resident in the engine (per the mirror).
-4. **Window.** The chosen ticket is dispatched only if its KV blocks fit (see admission.py) and
+1. **Tenant fairness.** Among tenants with waiting tickets (and under their in-flight share),
+   the one with the fewest tickets in flight, then the least recently served, goes next. The
+   steps below choose within that tenant's queue.
+2. **Riders.** Under a circular policy, a waiting sibling of the tenant's last dispatch
+   (sharing at least half its cacheable prefix) goes next: it reuses the prefix just loaded. A
+   group is finite, so this defers the steps below by at most one group.
+3. **Aging.** If the tenant's oldest waiting ticket has been overtaken (a ticket that arrived
+   more than ``min_aging_wait`` after it was dispatched) and has waited more than
+   ``max_wait_factor`` × the median wait of recently dispatched tickets, it goes first, whatever
+   the policy says. Tickets that arrived together (a burst) do not overtake each other.
+4. **Policy.** The policy's smallest key, or for a *circular* policy (``prefix``) the next key
+   after the last one dispatched, wrapping around: the queue is sorted by block-hash chain, so
+   siblings that share a prefix are adjacent and dispatched together. When a circular policy
+   finishes a group it prefers, among the oldest few tickets, one whose prefix is resident in
+   the engine (per the mirror).
+5. **Window.** The chosen ticket is dispatched only if its KV blocks fit (see admission.py) and
    fewer than ``max_in_flight`` requests are running; otherwise dispatch stops (no overtaking).
+   While more than one tenant is active the window shrinks to ``shared_window`` (the engine's
+   ``max_num_seqs``): whatever waits beyond it would wait in the engine's first-come queue,
+   where fairness no longer applies.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ class WaitingQueue:
         self.policy = policy
         self._keys: dict[int, Any] = {}
         self._items: SortedKeyList = SortedKeyList(key=lambda t: self._keys[id(t)])
+        self._by_age: SortedKeyList = SortedKeyList(key=lambda t: t.seq)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -110,17 +115,27 @@ class WaitingQueue:
     def add(self, ticket: Ticket) -> None:
         self._keys[id(ticket)] = self.policy.sort_key(ticket)
         self._items.add(ticket)
+        self._by_age.add(ticket)
 
     def remove(self, ticket: Ticket) -> bool:
         """Removes ``ticket`` if it waits here; returns whether it did."""
         if id(ticket) not in self._keys:
             return False
         self._items.remove(ticket)
+        self._by_age.remove(ticket)
         del self._keys[id(ticket)]
         return True
 
     def first(self) -> Ticket:
         return self._items[0]
+
+    def oldest(self) -> Ticket:
+        """The ticket that has waited longest."""
+        return self._by_age[0]
+
+    def by_age(self) -> Iterator[Ticket]:
+        """Tickets, longest waiting first."""
+        return iter(self._by_age)
 
     def after(self, key: Any) -> Ticket:
         """The first ticket whose key is greater than ``key``, wrapping to the first."""
@@ -164,12 +179,14 @@ class Scheduler:
         min_aging_wait: Waits shorter than this never trigger aging (seconds).
         tenant_limits: Per-tenant limits; tenants not listed use ``default_limits``.
         default_limits: Limits of tenants not in ``tenant_limits``.
+        shared_window: The window while more than one tenant is active (``None``: no change).
     """
 
     def __init__(self, policy: OrderingPolicy, *, admission: Admission, mirror: PrefixMirror,
                  clock: Clock, max_queue_len: int, max_in_flight: int | None,
                  max_wait_factor: float, min_aging_wait: float,
-                 tenant_limits: dict[str, TenantLimits], default_limits: TenantLimits) -> None:
+                 tenant_limits: dict[str, TenantLimits], default_limits: TenantLimits,
+                 shared_window: int | None = None) -> None:
         self.policy = policy
         self.circular = bool(getattr(policy, "circular", False))
         self.admission = admission
@@ -181,6 +198,7 @@ class Scheduler:
         self.min_aging_wait = min_aging_wait
         self.tenant_limits = tenant_limits
         self.default_limits = default_limits
+        self.shared_window = shared_window
         self.queues: dict[str | None, WaitingQueue] = {}
         self.by_age: SortedKeyList = SortedKeyList(key=lambda t: t.seq)
         self.running: set[Ticket] = set()
@@ -189,7 +207,6 @@ class Scheduler:
         self._serial = 0
         self._last_key: dict[str | None, Any] = {}
         self._last_hashes: dict[str | None, tuple[Any, ...]] = {}
-        self._last_tenant: str | None = None
         self.recent_waits: deque[float] = deque(maxlen=256)
         self.newest_dispatched_arrival = float("-inf")
         self.aged_dispatches = 0
@@ -249,10 +266,16 @@ class Scheduler:
 
     # -- decisions --------------------------------------------------------------------------
 
-    def _aged(self, now: float) -> Ticket | None:
-        if not self.by_age:
-            return None
-        oldest = self.by_age[0]
+    def window(self) -> int | None:
+        """The in-flight cap now: ``shared_window`` while several tenants are active."""
+        if self.shared_window is None or self.max_in_flight is None:
+            return self.max_in_flight
+        active = set(self.queues)
+        active.update(t for t, n in self.running_by_tenant.items() if n > 0)
+        return min(self.max_in_flight, self.shared_window) if len(active) > 1 else self.max_in_flight
+
+    def _aged(self, now: float, tenant: str | None) -> Ticket | None:
+        oldest = self.queues[tenant].oldest()
         median = self.median_wait()
         if median is None or self.newest_dispatched_arrival - oldest.arrival <= self.min_aging_wait:
             return None  # nothing newer has gone ahead of it
@@ -262,7 +285,7 @@ class Scheduler:
     def _tenant(self) -> str | None:
         if len(self.queues) == 1:
             return next(iter(self.queues))
-        cap_base = self.max_in_flight or max(1, len(self.running))
+        cap_base = self.window() or max(1, len(self.running))
         best, best_rank = None, None
         for tenant in self.queues:
             share = self._limits(tenant).max_in_flight_share
@@ -275,11 +298,10 @@ class Scheduler:
             best = min(self.queues, key=lambda t: (self.running_by_tenant[t], self._served.get(t, -1)))
         return best
 
-    def _rider(self) -> Ticket | None:
-        """For a circular policy, the next ticket of the group being dispatched, if any: one that
-        shares at least half its cacheable prefix with the last dispatch. It rides along on the
-        prefix just loaded, ahead of aging and fairness (a group is finite, so this is bounded)."""
-        tenant = self._last_tenant
+    def _rider(self, tenant: str | None) -> Ticket | None:
+        """For a circular policy, the next ticket of ``tenant``'s group being dispatched, if
+        any: one that shares at least half its cacheable prefix with the tenant's last dispatch.
+        It rides along on the prefix just loaded, ahead of aging (a group is finite)."""
         if not self.circular or tenant not in self.queues or tenant not in self._last_key:
             return None
         ticket = self.queues[tenant].after(self._last_key[tenant])
@@ -298,10 +320,10 @@ class Scheduler:
         ticket = queue.after(self._last_key[tenant])
         # A group ended: prefer an old ticket whose prefix the engine still holds.
         best, best_hits = ticket, self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
-        for i, other in enumerate(self.by_age):
+        for i, other in enumerate(queue.by_age()):
             if i >= _RESIDENT_LOOKAHEAD:
                 break
-            if other.tenant == tenant and other is not ticket:
+            if other is not ticket:
                 hits = self.mirror.match(other.block_hashes, other.cacheable_blocks)
                 if hits > best_hits:
                     best, best_hits = other, hits
@@ -311,11 +333,16 @@ class Scheduler:
         """The ticket that should go next, or ``None`` when nothing waits. Pure."""
         if not self.by_age:
             return None
-        rider = self._rider()
+        return self._choose(self.clock.now())[0]
+
+    def _choose(self, now: float) -> tuple[Ticket, bool]:
+        """The next ticket and whether aging chose it (something must wait)."""
+        tenant = self._tenant()
+        rider = self._rider(tenant)
         if rider is not None:
-            return rider
-        aged = self._aged(self.clock.now())
-        return aged if aged is not None else self._pick(self._tenant())
+            return rider, False
+        aged = self._aged(now, tenant)
+        return (aged, True) if aged is not None else (self._pick(tenant), False)
 
     def next_batch(self) -> list[Dispatch]:
         """Dispatches, in order, every ticket that may go now; reserves blocks, predicts hits.
@@ -326,14 +353,11 @@ class Scheduler:
         now = self.clock.now()
         self.blocked = None
         while self.by_age:
-            if self.max_in_flight is not None and len(self.running) >= self.max_in_flight:
+            window = self.window()
+            if window is not None and len(self.running) >= window:
                 self.blocked = "max_in_flight"
                 break
-            aged = None
-            ticket = self._rider()
-            if ticket is None:
-                aged = self._aged(now)
-                ticket = aged if aged is not None else self._pick(self._tenant())
+            ticket, aged = self._choose(now)
             hit_blocks = self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
             reason = self.admission.blocked_reason(self.admission.need(ticket))
             if reason is not None:
@@ -353,10 +377,9 @@ class Scheduler:
             self._served[ticket.tenant] = self._serial
             self._last_key[ticket.tenant] = self.policy.sort_key(ticket)
             self._last_hashes[ticket.tenant] = ticket.block_hashes
-            self._last_tenant = ticket.tenant
             self.recent_waits.append(now - ticket.arrival)
             self.newest_dispatched_arrival = max(self.newest_dispatched_arrival, ticket.arrival)
-            self.aged_dispatches += aged is not None
+            self.aged_dispatches += aged
             out.append(Dispatch(ticket, hit_blocks, blocks))
         return out
 
