@@ -51,6 +51,7 @@ REFERENCE_LOAD = 0.8
 # Seconds of arrivals: long enough for bare vLLM's queue to build (GPU-sized: at least 60 s).
 OVERLOAD_DURATION = {"sim": 60.0, "gpu": 60.0, "cpu": 20.0}
 RETRIES = 3
+TIGHT_WAIT = 0.125  # the "L tight" variant's max_queue_wait and queue_timeout, × the SLO
 CAPACITY_BURST = 4  # overload's capacity: B1 on a burst of 4× W4's requests (sim 1024, cpu 128)
 
 
@@ -166,7 +167,8 @@ async def _setup(session: Session, workload: str, size: str, seed: int,
 
 async def overload(session: Session, size: str, seed: int) -> dict[str, Any]:
     """W4 at 2× capacity for ``OVERLOAD_DURATION`` seconds of arrivals (and 0.8× for reference):
-    B1, L with the SLO-derived admission settings, and L with retrying clients."""
+    B1, L with the SLO-derived admission settings, L with retrying clients, and L with a tight
+    waiting budget (``TIGHT_WAIT`` × the SLO: the p99 of admitted requests is set by the budget)."""
     _, slo, admission = await _setup(session, "W4", size, seed, CAPACITY_BURST)
     cap = session.notes["capacity_req_per_s"]
     duration = session.duration or OVERLOAD_DURATION[size]
@@ -174,8 +176,10 @@ async def overload(session: Session, size: str, seed: int) -> dict[str, Any]:
     traces = {f"{x}x": sustained("W4", size, seed, tokenizer, cap * x, duration, session.overrides)
               for x in (OVERLOAD_LOAD, REFERENCE_LOAD)}
     hi, lo = f"{OVERLOAD_LOAD}x", f"{REFERENCE_LOAD}x"
+    tight = {**admission, "max_queue_wait": TIGHT_WAIT * slo, "queue_timeout": TIGHT_WAIT * slo}
     variants = [Variant(f"B1 @{hi}", "B1", hi), Variant(f"L @{hi}", "L", hi, admission),
                 Variant(f"L retry @{hi}", "L", hi, admission, retries=RETRIES),
+                Variant(f"L tight @{hi}", "L", hi, tight),
                 Variant(f"B1 @{lo}", "B1", lo), Variant(f"L @{lo}", "L", lo, admission)]
     runs = await session.run(variants, traces)
     arms = summaries(variants, traces, runs, slo_ttft_s=slo, extra=_extra)
@@ -191,6 +195,10 @@ async def overload(session: Session, size: str, seed: int) -> dict[str, Any]:
               _times(1.5, b1["goodput_req_per_s"]), ">="),
         check(f"L @{hi} p99 TTFT of admitted <= 1.5 x L's at {lo}", lh["ttft_p99_s"],
               _times(1.5, l_lo["ttft_p99_s"])),
+        check(f"L tight @{hi} p99 TTFT of admitted <= 1.5 x L's at {lo}",
+              arms[f"L tight @{hi}"]["ttft_p99_s"], _times(1.5, l_lo["ttft_p99_s"]),
+              note=f"waiting budget {TIGHT_WAIT:g} x SLO; goodput "
+                   f"{arms[f'L tight @{hi}']['goodput_req_per_s']:.3g}"),
         check("every request accounted for (completed + rejected + errored == offered)",
               float(accounted(arms)), 1.0, "=="),
         check("reject decision p99 < 1 ms (wall, us)", cost["decision"]["p99"], 1000.0, "<",

@@ -111,7 +111,9 @@ async def test_overload_accounts_for_every_request_and_is_deterministic():
     assert params["slo_ttft_s"] == pytest.approx(SLO_FACTOR * params["unloaded"]["cold_ttft_s"])
     assert params["admission"] == admission_settings(params["slo_ttft_s"])
     arms = result["arms"]
-    assert set(arms) == {"B1 @2.0x", "L @2.0x", "L retry @2.0x", "B1 @0.8x", "L @0.8x"}
+    assert set(arms) == {"B1 @2.0x", "L @2.0x", "L retry @2.0x", "L tight @2.0x", "B1 @0.8x", "L @0.8x"}
+    tight = arms["L tight @2.0x"]["setup"]["gateway_config"]
+    assert tight["queue_timeout"] == tight["max_queue_wait"] == pytest.approx(params["slo_ttft_s"] / 8)
     gateway = arms["L @2.0x"]["setup"]["gateway_config"]
     assert gateway["max_queue_wait"] == params["admission"]["max_queue_wait"]
     assert arms["L retry @2.0x"]["setup"]["retries"] == 3
