@@ -24,9 +24,6 @@ How a ticket is chosen, in order:
    the engine (per the mirror).
 5. **Window.** The chosen ticket is dispatched only if its KV blocks fit (see admission.py) and
    fewer than ``max_in_flight`` requests are running; otherwise dispatch stops (no overtaking).
-   While more than one tenant is active the window shrinks to ``shared_window`` (the engine's
-   ``max_num_seqs``): whatever waits beyond it would wait in the engine's first-come queue,
-   where fairness no longer applies.
 """
 
 from __future__ import annotations
@@ -179,14 +176,12 @@ class Scheduler:
         min_aging_wait: Waits shorter than this never trigger aging (seconds).
         tenant_limits: Per-tenant limits; tenants not listed use ``default_limits``.
         default_limits: Limits of tenants not in ``tenant_limits``.
-        shared_window: The window while more than one tenant is active (``None``: no change).
     """
 
     def __init__(self, policy: OrderingPolicy, *, admission: Admission, mirror: PrefixMirror,
                  clock: Clock, max_queue_len: int, max_in_flight: int | None,
                  max_wait_factor: float, min_aging_wait: float,
-                 tenant_limits: dict[str, TenantLimits], default_limits: TenantLimits,
-                 shared_window: int | None = None) -> None:
+                 tenant_limits: dict[str, TenantLimits], default_limits: TenantLimits) -> None:
         self.policy = policy
         self.circular = bool(getattr(policy, "circular", False))
         self.admission = admission
@@ -198,7 +193,6 @@ class Scheduler:
         self.min_aging_wait = min_aging_wait
         self.tenant_limits = tenant_limits
         self.default_limits = default_limits
-        self.shared_window = shared_window
         self.queues: dict[str | None, WaitingQueue] = {}
         self.by_age: SortedKeyList = SortedKeyList(key=lambda t: t.seq)
         self.running: set[Ticket] = set()
@@ -266,14 +260,6 @@ class Scheduler:
 
     # -- decisions --------------------------------------------------------------------------
 
-    def window(self) -> int | None:
-        """The in-flight cap now: ``shared_window`` while several tenants are active."""
-        if self.shared_window is None or self.max_in_flight is None:
-            return self.max_in_flight
-        active = set(self.queues)
-        active.update(t for t, n in self.running_by_tenant.items() if n > 0)
-        return min(self.max_in_flight, self.shared_window) if len(active) > 1 else self.max_in_flight
-
     def _aged(self, now: float, tenant: str | None) -> Ticket | None:
         oldest = self.queues[tenant].oldest()
         median = self.median_wait()
@@ -285,7 +271,7 @@ class Scheduler:
     def _tenant(self) -> str | None:
         if len(self.queues) == 1:
             return next(iter(self.queues))
-        cap_base = self.window() or max(1, len(self.running))
+        cap_base = self.max_in_flight or max(1, len(self.running))
         best, best_rank = None, None
         for tenant in self.queues:
             share = self._limits(tenant).max_in_flight_share
@@ -353,8 +339,7 @@ class Scheduler:
         now = self.clock.now()
         self.blocked = None
         while self.by_age:
-            window = self.window()
-            if window is not None and len(self.running) >= window:
+            if self.max_in_flight is not None and len(self.running) >= self.max_in_flight:
                 self.blocked = "max_in_flight"
                 break
             ticket, aged = self._choose(now)
