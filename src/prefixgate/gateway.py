@@ -83,9 +83,7 @@ class Gateway:
             ORDERING_POLICIES[config.ordering](), admission=self._admission, mirror=self._mirror,
             clock=self.clock, max_queue_len=config.max_queue_len, max_in_flight=max_in_flight,
             max_wait_factor=config.max_wait_factor, min_aging_wait=config.min_aging_wait,
-            tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits,
-            # With several tenants active, keep the backlog here, where fairness applies.
-            shared_window=self._engine_slots if config.max_in_flight is None else None)
+            tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits)
         self._throttles: dict[str | None, TenantThrottle] = {}
         self._pump_scheduled = False
         self._stats = StatsRecorder()
@@ -207,8 +205,8 @@ class Gateway:
         if self._closing or self._scheduler.num_waiting or (
                 throttle is not None and throttle.retry_after() > 0):
             return False
-        window = self._scheduler.window()
-        if window is not None and len(self._scheduler.running) >= window:
+        if self._scheduler.max_in_flight is not None and (
+                len(self._scheduler.running) >= self._scheduler.max_in_flight):
             return False
         return self._admission.fits(self._admission.need(ticket))
 
