@@ -73,9 +73,13 @@ class GatewayConfig:
         default_output_tokens: Output tokens reserved when a request sets no ``max_tokens``.
         kv_watermark: Share of the engine's KV blocks always kept free.
         stats_max_age: Engine KV stats older than this many seconds count as "full".
-        max_queue_wait: If set, a request whose predicted queue wait (from the recent drain
-            rate) exceeds this many seconds is refused at once with ``Overloaded`` and a
-            ``retry_after``, instead of joining a queue it would wait in too long.
+        max_queue_wait: If set, a request whose predicted queue wait exceeds this many
+            seconds is refused at once with ``Overloaded`` and a ``retry_after``, instead of
+            joining a queue it would wait in too long. The prediction is the requests ahead
+            (queued here, plus those in flight beyond the engine's ``max_num_seqs`` while our
+            queue is non-empty) over the recent drain rate, scaled by how much longer than
+            predicted recent requests really waited. Pair it with ``queue_timeout`` of the
+            same value to bound the wait of admitted requests too.
     """
 
     canonicalize: CanonicalizeConfig = field(default_factory=CanonicalizeConfig)
