@@ -143,6 +143,25 @@ async def test_a_noisy_tenant_cannot_take_the_whole_window():
     assert engine.started[4:6] == ["q0", "q1"]
 
 
+async def test_a_tenant_at_its_share_waits_while_another_is_served():
+    """The share is of the engine's max_num_seqs and holds while another tenant has requests
+    in flight, even when none of them waits in the gateway (they would wait in the engine)."""
+    engine = FakeEngine(max_num_seqs=4, step=asyncio.Event())  # window 8; share base 4
+    config = GatewayConfig(ordering="fcfs", tenants={"noisy": TenantLimits(max_in_flight_share=0.5)})
+    gw = Gateway(engine, config)
+    quiet = asyncio.create_task(drain(gw.generate("q0", SP, tenant="quiet", request_id="q0")))
+    await spin()
+    noisy = [asyncio.create_task(drain(gw.generate(f"n{i}", SP, tenant="noisy", request_id=f"n{i}")))
+             for i in range(6)]
+    await spin()
+    stats = gw.statistics()
+    assert (stats.running, stats.queued, stats.blocked) == (3, 4, "tenant_share")
+    assert engine.started == ["q0", "n0", "n1"]
+    engine.step.set()
+    await asyncio.gather(quiet, *noisy)
+    assert gw.statistics().outcomes == {"completed": 7}
+
+
 async def test_siblings_do_not_ride_past_another_tenant():
     """Riders and aging choose within the tenant fairness picked, not ahead of it."""
     engine = FakeEngine(block_size=4, step=asyncio.Event())

@@ -24,8 +24,10 @@ class TenantLimits:
         rate: Requests per second admitted for the tenant (a sliding one-second window, via
             asyncio-throttle). The blocking path waits for the window; ``try_generate`` raises
             ``RateLimited``.
-        max_in_flight_share: The largest share of the in-flight window the tenant may hold
-            while other tenants wait (work-conserving: with nobody else waiting it may use more).
+        max_in_flight_share: The largest share of the engine's concurrent requests
+            (``max_num_seqs``, or ``max_in_flight`` if smaller or the engine has none) the tenant
+            may hold while another tenant has requests in flight (work-conserving: with nobody
+            else busy it may use more).
     """
 
     rate: float | None = None

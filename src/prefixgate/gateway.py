@@ -83,7 +83,8 @@ class Gateway:
             ORDERING_POLICIES[config.ordering](), admission=self._admission, mirror=self._mirror,
             clock=self.clock, max_queue_len=config.max_queue_len, max_in_flight=max_in_flight,
             max_wait_factor=config.max_wait_factor, min_aging_wait=config.min_aging_wait,
-            tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits)
+            tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits,
+            share_base=self._engine_slots)
         self._throttles: dict[str | None, TenantThrottle] = {}
         self._pump_scheduled = False
         self._stats = StatsRecorder()

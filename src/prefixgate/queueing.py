@@ -9,7 +9,9 @@ How a ticket is chosen, in order:
 
 1. **Tenant fairness.** Among tenants with waiting tickets (and under their in-flight share),
    the one with the fewest tickets in flight, then the least recently served, goes next. The
-   steps below choose within that tenant's queue.
+   steps below choose within that tenant's queue. A tenant at its share waits while another
+   tenant has requests in flight (dispatch stops with ``tenant_share``); with nobody else busy
+   it may use more (work-conserving). The share is of the engine's ``max_num_seqs``.
 2. **Riders.** Under a circular policy, a waiting sibling of the tenant's last dispatch
    (sharing at least half its cacheable prefix) goes next: it reuses the prefix just loaded. A
    group is finite, so this defers the steps below by at most one group.
@@ -47,6 +49,7 @@ __all__ = ["ORDERING_POLICIES", "Dispatch", "Fcfs", "OrderingPolicy", "PrefixOrd
            "Scheduler", "WaitingQueue"]
 
 _RESIDENT_LOOKAHEAD = 8  # oldest tickets checked for a resident prefix when a group ends
+_SHARE_BLOCKED = object()  # _tenant(): every waiting tenant is at its share
 
 
 class OrderingPolicy(Protocol):
@@ -176,12 +179,15 @@ class Scheduler:
         min_aging_wait: Waits shorter than this never trigger aging (seconds).
         tenant_limits: Per-tenant limits; tenants not listed use ``default_limits``.
         default_limits: Limits of tenants not in ``tenant_limits``.
+        share_base: What ``max_in_flight_share`` is a share of: the engine's ``max_num_seqs``
+            (the requests it really runs at once); ``None`` for ``max_in_flight``.
     """
 
     def __init__(self, policy: OrderingPolicy, *, admission: Admission, mirror: PrefixMirror,
                  clock: Clock, max_queue_len: int, max_in_flight: int | None,
                  max_wait_factor: float, min_aging_wait: float,
-                 tenant_limits: dict[str, TenantLimits], default_limits: TenantLimits) -> None:
+                 tenant_limits: dict[str, TenantLimits], default_limits: TenantLimits,
+                 share_base: int | None = None) -> None:
         self.policy = policy
         self.circular = bool(getattr(policy, "circular", False))
         self.admission = admission
@@ -193,6 +199,7 @@ class Scheduler:
         self.min_aging_wait = min_aging_wait
         self.tenant_limits = tenant_limits
         self.default_limits = default_limits
+        self.share_base = share_base
         self.queues: dict[str | None, WaitingQueue] = {}
         self.by_age: SortedKeyList = SortedKeyList(key=lambda t: t.seq)
         self.running: set[Ticket] = set()
@@ -268,21 +275,28 @@ class Scheduler:
         bound = max(self.min_aging_wait, self.max_wait_factor * median)
         return oldest if now - oldest.arrival > bound else None
 
-    def _tenant(self) -> str | None:
-        if len(self.queues) == 1:
+    def _tenant(self) -> Any:
+        """The tenant to serve next, or ``_SHARE_BLOCKED`` when every waiting tenant is at its
+        in-flight share while another tenant has requests in flight."""
+        if len(self.queues) == 1 and not self.tenant_limits and (
+                self.default_limits.max_in_flight_share is None):
             return next(iter(self.queues))
-        cap_base = self.max_in_flight or max(1, len(self.running))
+        slots = [n for n in (self.share_base, self.max_in_flight) if n is not None]
+        cap_base = min(slots) if slots else max(1, len(self.running))
         best, best_rank = None, None
         for tenant in self.queues:
             share = self._limits(tenant).max_in_flight_share
             if share is not None and self.running_by_tenant[tenant] >= max(1, int(share * cap_base)):
-                continue  # over its share while others wait
+                continue  # at its share
             rank = (self.running_by_tenant[tenant], self._served.get(tenant, -1))
             if best_rank is None or rank < best_rank:
                 best, best_rank = tenant, rank
-        if best_rank is None:  # every waiting tenant is at its share: work-conserving fallback
-            best = min(self.queues, key=lambda t: (self.running_by_tenant[t], self._served.get(t, -1)))
-        return best
+        if best_rank is not None:
+            return best
+        if any(n > 0 for t, n in self.running_by_tenant.items() if t not in self.queues):
+            return _SHARE_BLOCKED  # others are being served: the shares hold
+        # Nobody else has work here: work-conserving, the share does not idle the engine.
+        return min(self.queues, key=lambda t: (self.running_by_tenant[t], self._served.get(t, -1)))
 
     def _rider(self, tenant: str | None) -> Ticket | None:
         """For a circular policy, the next ticket of ``tenant``'s group being dispatched, if
@@ -319,11 +333,15 @@ class Scheduler:
         """The ticket that should go next, or ``None`` when nothing waits. Pure."""
         if not self.by_age:
             return None
-        return self._choose(self.clock.now())[0]
+        choice = self._choose(self.clock.now())
+        return None if choice is None else choice[0]
 
-    def _choose(self, now: float) -> tuple[Ticket, bool]:
-        """The next ticket and whether aging chose it (something must wait)."""
+    def _choose(self, now: float) -> tuple[Ticket, bool] | None:
+        """The next ticket and whether aging chose it (something must wait); ``None`` when
+        every waiting tenant is held at its in-flight share."""
         tenant = self._tenant()
+        if tenant is _SHARE_BLOCKED:
+            return None
         rider = self._rider(tenant)
         if rider is not None:
             return rider, False
@@ -342,7 +360,11 @@ class Scheduler:
             if self.max_in_flight is not None and len(self.running) >= self.max_in_flight:
                 self.blocked = "max_in_flight"
                 break
-            ticket, aged = self._choose(now)
+            choice = self._choose(now)
+            if choice is None:
+                self.blocked = "tenant_share"
+                break
+            ticket, aged = choice
             hit_blocks = self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
             reason = self.admission.blocked_reason(self.admission.need(ticket))
             if reason is not None:
