@@ -224,13 +224,7 @@ async def test_overloaded_when_the_predicted_wait_exceeds_the_bound():
     clock = FakeClock()
     gw = Gateway(engine, GatewayConfig(ordering="fcfs", max_in_flight=1, max_queue_wait=2.0),
                  clock=clock)
-    for t in (0.0, 1.0, 2.0):  # drain rate: one completion per second
-        await _drain(gw.generate(f"warm {t}", FakeSamplingParams(1)))
-        await clock.advance(1.0)
-    engine.step = asyncio.Event()
-    tasks = [asyncio.create_task(_drain(gw.generate(f"r{i}", FakeSamplingParams(1))))
-             for i in range(3)]
-    await _spin()
+    tasks = await _warm_then_hold(gw, engine, clock)
     # r0 runs; r1, r2 wait. Drain rate: 2 completions over the 3 s since the first = 2/3 per s,
     # so r3, third in line, would wait (2 + 1) / (2/3) = 4.5 s > 2 s: retry in 2.5 s.
     with pytest.raises(Overloaded) as info:
@@ -246,13 +240,7 @@ async def test_predicted_wait_counts_requests_queued_inside_the_engine():
     engine = FakeEngine(block_size=4, num_blocks=1000, max_num_seqs=1)
     clock = FakeClock()
     gw = Gateway(engine, GatewayConfig(ordering="fcfs", max_queue_wait=2.0), clock=clock)
-    for t in (0.0, 1.0, 2.0):  # drain rate: 2 completions over 3 s = 2/3 per s
-        await _drain(gw.generate(f"warm {t}", FakeSamplingParams(1)))
-        await clock.advance(1.0)
-    engine.step = asyncio.Event()
-    tasks = [asyncio.create_task(_drain(gw.generate(f"r{i}", FakeSamplingParams(1))))
-             for i in range(3)]
-    await _spin()
+    tasks = await _warm_then_hold(gw, engine, clock)
     stats = gw.statistics()
     # Window 2 x max_num_seqs: r0 runs, r1 waits in the engine, r2 in the gateway.
     assert (stats.running, stats.queued, stats.blocked) == (2, 1, "max_in_flight")
@@ -263,6 +251,19 @@ async def test_predicted_wait_counts_requests_queued_inside_the_engine():
     engine.step.set()
     await asyncio.gather(*tasks)
     assert gw.statistics().outcomes == {"completed": 6}
+
+
+async def _warm_then_hold(gw, engine, clock, held: int = 3) -> list[asyncio.Task]:
+    """Three completions one second apart (drain rate 2/3 per s by the time the next arrive),
+    then ``held`` requests r0, r1, … that the engine holds until ``engine.step`` is set."""
+    for t in (0.0, 1.0, 2.0):
+        await _drain(gw.generate(f"warm {t}", FakeSamplingParams(1)))
+        await clock.advance(1.0)
+    engine.step = asyncio.Event()
+    tasks = [asyncio.create_task(_drain(gw.generate(f"r{i}", FakeSamplingParams(1))))
+             for i in range(held)]
+    await _spin()
+    return tasks
 
 
 async def _drain(stream):

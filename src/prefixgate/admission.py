@@ -64,11 +64,6 @@ class BlockLedger:
         """Blocks not reserved by any ticket."""
         return self.capacity - self.reserved
 
-    @property
-    def shared_blocks(self) -> int:
-        """Distinct shared blocks held by at least one ticket."""
-        return len(self._refs)
-
     def __len__(self) -> int:
         return len(self._held)
 
@@ -188,9 +183,7 @@ class Admission:
         self.clock = clock
         self.drain = DrainRate(clock)
         self.busy_since = 0.0
-        self._waits: deque[tuple[float, float]] = deque(maxlen=64)
-        self._raw_sum = 0.0
-        self._actual_sum = 0.0
+        self._waits: deque[tuple[float, float]] = deque(maxlen=64)  # (raw predicted, actual)
 
     def split(self, ticket: Ticket) -> tuple[Sequence[Hashable], int]:
         """``ticket``'s shared block keys and its count of private blocks. Pure.
@@ -251,20 +244,15 @@ class Admission:
         The raw estimate assumes first come first served; prefix ordering lets siblings of
         resident prefixes overtake, and KV frees in waves as groups finish, so a request joining
         a cold group waits longer than its place in line says (on W4 at 2x, 3-4x longer)."""
-        if len(self._waits) < _MIN_WAIT_SAMPLES or self._raw_sum <= 0:
+        raw = sum(r for r, _ in self._waits)
+        if len(self._waits) < _MIN_WAIT_SAMPLES or raw <= 0:
             return 1.0
-        return min(8.0, max(0.5, self._actual_sum / self._raw_sum))
+        return min(8.0, max(0.5, sum(a for _, a in self._waits) / raw))
 
     def observe_wait(self, raw: float, actual: float) -> None:
         """Records a request's raw predicted wait (:meth:`raw_wait` when it joined the queue)
         against how long it waited (a lower bound if it left the queue undispatched)."""
-        if len(self._waits) == self._waits.maxlen:
-            old_raw, old_actual = self._waits[0]
-            self._raw_sum -= old_raw
-            self._actual_sum -= old_actual
         self._waits.append((raw, actual))
-        self._raw_sum += raw
-        self._actual_sum += actual
 
     def estimated_wait(self, ahead: int) -> float | None:
         """Seconds until ``ahead`` queued requests and then one more are dispatched: the raw

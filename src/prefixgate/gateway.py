@@ -69,15 +69,15 @@ class Gateway:
             default_output_tokens=config.default_output_tokens,
             watermark_blocks=int(engine.num_blocks * config.kv_watermark),
             stats_max_age=config.stats_max_age, kv_stats=engine.kv_stats, clock=self.clock)
+        self._engine_slots: int | None = getattr(engine, "max_num_seqs", None)
         max_in_flight = config.max_in_flight
-        if max_in_flight is None and getattr(engine, "max_num_seqs", None):
+        if max_in_flight is None and self._engine_slots:
             # Keep the engine's own queue fed (up to max_num_seqs more than it runs): a slot the
             # engine frees is refilled at its next step, not after our completion round trip,
             # which a busy event loop can stretch to seconds (seen on the H200: a window of
             # exactly max_num_seqs cost W1 a quarter of its throughput). The KV ledger still
             # holds back whatever would not fit, which is where ordering pays.
-            max_in_flight = 2 * engine.max_num_seqs
-        self._engine_slots: int | None = getattr(engine, "max_num_seqs", None)
+            max_in_flight = 2 * self._engine_slots
 
         self._scheduler = Scheduler(
             ORDERING_POLICIES[config.ordering](), admission=self._admission, mirror=self._mirror,
