@@ -37,7 +37,7 @@ async def test_generate_streams_engine_outputs_unchanged(engine):
         outs = await drain(gw.generate("hello world", SP, request_id="r1"))
     assert [o.finished for o in outs] == [False, True]
     assert outs[-1].request_id == "r1"
-    assert engine.requests[0].prompt_token_ids == tuple(engine.tokenizer.encode("hello world"))
+    assert list(engine.requests[0].prompt_token_ids) == engine.tokenizer.encode("hello world")
 
 
 async def test_whitespace_noise_is_canonicalized_before_keying(engine):
@@ -60,7 +60,7 @@ async def test_canonicalization_can_be_switched_off(engine):
 
     async with Gateway(engine, GatewayConfig(canonicalize=CanonicalizeConfig.off())) as gw:
         s = gw.generate("a  b", SP)
-    assert s.ticket.prompt_token_ids == tuple(engine.tokenizer.encode("a  b"))
+    assert list(s.ticket.prompt_token_ids) == engine.tokenizer.encode("a  b")
 
 
 @pytest.mark.parametrize(("prompt", "error", "match"), [

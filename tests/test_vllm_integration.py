@@ -172,8 +172,12 @@ async def test_bad_input_against_the_real_engine(vllm_engine):
     from vllm import SamplingParams
 
     async with Gateway.for_vllm(vllm_engine) as gw:
+        # Prepared by an ingress worker: the token count is known when the stream is iterated.
         with pytest.raises(PromptTooLong):
-            gw.generate("word " * 5000, sp())
+            async for _ in gw.generate("word " * 5000, sp()):
+                pass
+        with pytest.raises(PromptTooLong, match="characters"):  # far too long: refused at the call
+            gw.generate("word " * 60_000, sp())
         with pytest.raises(InvalidRequest, match="SamplingParams"):
             gw.generate("hi", {"max_tokens": 3})
         with pytest.raises(InvalidRequest, match="UTF-8"):
@@ -186,4 +190,4 @@ async def test_bad_input_against_the_real_engine(vllm_engine):
         stats = gw.statistics()
     assert out.finished
     assert stats.outcomes == {"invalid": 1, "completed": 1}
-    assert stats.refused == {"too_long": 1, "invalid": 2}
+    assert stats.refused == {"too_long": 2, "invalid": 2}

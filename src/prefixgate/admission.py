@@ -19,6 +19,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from .clock import Clock
 from .engine import KvStats
+from .keys import resident_prefix
 from .tickets import Ticket
 
 __all__ = ["Admission", "BlockLedger", "DrainRate"]
@@ -32,13 +33,18 @@ class BlockLedger:
 
     vLLM keeps one copy of a full prompt block however many running requests use it, and
     frees it only when the last of them ends. The ledger does the same: a reservation is a
-    ticket's *shared* blocks (keys of full prompt blocks, reference-counted across tickets)
-    plus its *private* blocks (the partial last block and the output reserve). A ticket is
-    charged for the shared blocks no other running ticket holds yet; a shared block comes back
-    when its last holder releases. Charging each ticket for its whole prompt instead would turn
-    away work that fits; charging the first holder alone (and freeing the block when it ends)
-    would let siblings run on blocks the ledger counts as free, which is how preemption storms
-    start.
+    ticket's *shared* blocks (keys of full prompt blocks) plus its *private* blocks (the partial
+    last block and the output reserve). A ticket is charged for the shared blocks no other
+    running ticket holds yet; a shared block comes back when its last holder releases. Charging
+    each ticket for its whole prompt instead would turn away work that fits; charging the first
+    holder alone (and freeing the block when it ends) would let siblings run on blocks the
+    ledger counts as free, which is how preemption storms start.
+
+    Shared keys are whole-prefix keys (see keys.py), so the held blocks form a forest of chains
+    and the ledger keeps, per held key, how many held keys continue it (``children``) and how
+    many reservations end at it (``ends``). Reserving costs a binary search plus the keys that
+    are new; releasing walks back from the reservation's last key only over the blocks it frees.
+    Siblings of a running prefix cost O(log n), not O(prompt).
 
     Invariant: ``reserved == len(shared blocks held) + sum(private blocks)``,
     ``reserved + free == capacity`` and ``0 <= reserved <= capacity`` at all times; a ticket
@@ -57,12 +63,18 @@ class BlockLedger:
         self.capacity = capacity
         self.reserved = 0
         self._held: dict[int, tuple[tuple[Hashable, ...], int]] = {}
-        self._refs: dict[Hashable, int] = {}
+        self._children: dict[Hashable, int] = {}  # held shared keys -> held keys continuing them
+        self._ends: dict[Hashable, int] = {}  # held shared keys -> reservations ending there
 
     @property
     def free(self) -> int:
         """Blocks not reserved by any ticket."""
         return self.capacity - self.reserved
+
+    @property
+    def shared_blocks(self) -> int:
+        """Distinct shared blocks held now."""
+        return len(self._children)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -73,16 +85,17 @@ class BlockLedger:
         return len(shared) + private
 
     def need(self, shared: Sequence[Hashable], private: int) -> int:
-        """Blocks a reservation of ``shared`` keys and ``private`` blocks would add now. Pure."""
-        return sum(1 for key in set(shared) if key not in self._refs) + private
+        """Blocks a reservation of ``shared`` keys (a chain of whole-prefix keys) and
+        ``private`` blocks would add now. Pure."""
+        return len(shared) - resident_prefix(shared, self._children.__contains__) + private  # type: ignore[arg-type]
 
     def can_reserve(self, blocks: int) -> bool:
         """Whether ``blocks`` more would fit. Pure."""
         return 0 <= blocks <= self.free
 
     def reserve(self, ticket: Ticket, shared: Sequence[Hashable], private: int) -> int:
-        """Reserves ``shared`` (by key) and ``private`` blocks for ``ticket``; returns the blocks
-        it added to ``reserved``.
+        """Reserves ``shared`` (a chain of whole-prefix keys) and ``private`` blocks for
+        ``ticket``; returns the blocks it added to ``reserved``.
 
         Raises:
             ValueError: If ``ticket`` already holds a reservation, ``private`` is negative, or
@@ -92,12 +105,20 @@ class BlockLedger:
             raise ValueError(f"{ticket.request_id} already holds {self.holds(ticket)} blocks")
         if private < 0:
             raise ValueError(f"private blocks must be >= 0, got {private}")
-        keys = tuple(dict.fromkeys(shared))
-        added = self.need(keys, private)
+        keys = tuple(shared)
+        children = self._children
+        held = resident_prefix(keys, children.__contains__)  # type: ignore[arg-type]
+        added = len(keys) - held + private
         if not self.can_reserve(added):
             raise ValueError(f"cannot reserve {added} blocks with {self.free} free")
-        for key in keys:
-            self._refs[key] = self._refs.get(key, 0) + 1
+        if held < len(keys):
+            new = keys[held:]
+            if held:
+                children[keys[held - 1]] += 1
+            children.update(dict.fromkeys(new[:-1], 1))
+            children[new[-1]] = 0
+        if keys:
+            self._ends[keys[-1]] = self._ends.get(keys[-1], 0) + 1
         self._held[id(ticket)] = (keys, private)
         self.reserved += added
         return added
@@ -107,19 +128,30 @@ class BlockLedger:
         none; shared blocks other tickets still hold stay reserved)."""
         keys, private = self._held.pop(id(ticket), ((), 0))
         freed = private
-        for key in keys:
-            refs = self._refs[key] - 1
-            if refs:
-                self._refs[key] = refs
+        if keys:
+            ends, children = self._ends, self._children
+            tip = keys[-1]
+            left = ends[tip] - 1
+            if left:
+                ends[tip] = left
             else:
-                del self._refs[key]
+                del ends[tip]
+            i = len(keys) - 1
+            while i >= 0:
+                key = keys[i]
+                if children[key] or key in ends:
+                    break
+                del children[key]
                 freed += 1
+                i -= 1
+                if i >= 0:
+                    children[keys[i]] -= 1
         self.reserved -= freed
         return freed
 
     def __repr__(self) -> str:
         return (f"BlockLedger(reserved={self.reserved}, free={self.free}, tickets={len(self._held)}, "
-                f"shared={len(self._refs)})")
+                f"shared={len(self._children)})")
 
 
 class DrainRate:

@@ -8,7 +8,9 @@ from types import MappingProxyType
 
 from .canonicalize import CanonicalizeConfig
 
-__all__ = ["GatewayConfig", "TenantLimits"]
+__all__ = ["INGRESS_MODES", "GatewayConfig", "TenantLimits"]
+
+INGRESS_MODES = ("auto", "inline", "threads", "processes")
 
 
 def _check(name: str, ok: bool, value: object, want: str) -> None:
@@ -54,6 +56,23 @@ class GatewayConfig:
         known_tenants: If set, a request naming any other tenant is refused (``InvalidRequest``).
         max_prompt_tokens: Refuse longer prompts (``PromptTooLong``) even if the model takes them.
 
+        ingress: Where canonicalization, tokenization and keying run: ``"processes"`` (worker
+            processes with their own copy of the tokenizer; nothing they do can stall the event
+            loop), ``"threads"`` (worker threads: cheaper hand-offs, but their Python work
+            contends for the GIL with the loop), ``"inline"`` (on the event loop, at the
+            ``generate()`` call) or ``"auto"`` (the default: processes when the engine's tokenizer
+            is a Hugging Face fast tokenizer and the clock is the real one, else inline; the
+            simulator's virtual clock cannot see work done elsewhere). Off the loop, errors that
+            only tokenizing reveals (``PromptTooLong`` by tokens, an untokenizable prompt) are
+            raised when the stream is first iterated instead of at the call.
+        ingress_workers: Worker processes or threads; ``None``: a quarter of the CPUs, 1 to 4.
+        ingress_min_chars: Text prompts shorter than this are prepared inline (a hand-off costs
+            more than tokenizing them); pre-tokenized prompts are always keyed inline.
+        ingress_max_pending: The most requests waiting for an ingress worker; more wait for a
+            free place (backpressure) before they are prepared.
+        ingress_bulk_chars: Prompts longer than this go to a separate low-priority worker
+            process, so a huge prompt never delays ordinary ones.
+
     Queueing:
         ordering: The waiting queue's policy: ``"prefix"`` (siblings together, the default),
             ``"fcfs"`` or ``"priority"``.
@@ -90,6 +109,11 @@ class GatewayConfig:
     isolate_tenants: bool = True
     known_tenants: frozenset[str] | None = None
     max_prompt_tokens: int | None = None
+    ingress: str = "auto"
+    ingress_workers: int | None = None
+    ingress_min_chars: int = 1024
+    ingress_max_pending: int = 4096
+    ingress_bulk_chars: int = 262_144
     ordering: str = "prefix"
     max_queue_len: int = 10_000
     queue_timeout: float | None = None
@@ -109,6 +133,11 @@ class GatewayConfig:
         _check("canonicalize", isinstance(self.canonicalize, CanonicalizeConfig), self.canonicalize,
                "a CanonicalizeConfig")
         _check("key_seed", 0 <= self.key_seed < 2**64, self.key_seed, "in [0, 2**64)")
+        _check("ingress", self.ingress in INGRESS_MODES, self.ingress, f"one of {INGRESS_MODES}")
+        _check("ingress_workers", self.ingress_workers is None or self.ingress_workers >= 1,
+               self.ingress_workers, ">= 1 or None")
+        for name in ("ingress_min_chars", "ingress_max_pending", "ingress_bulk_chars"):
+            _check(name, getattr(self, name) >= 1, getattr(self, name), ">= 1")
         _check("max_queue_len", self.max_queue_len >= 1, self.max_queue_len, ">= 1")
         for name in ("max_in_flight", "max_prompt_tokens", "queue_timeout", "max_queue_wait"):
             value = getattr(self, name)

@@ -1,7 +1,8 @@
 """The gateway: the async shell around the pure stages, and the only place that awaits.
 
-``generate()`` runs ingress synchronously (a bad request raises at the call, before anything is
-queued) and returns a :class:`ResponseStream`. Iterating the stream queues the ticket; the
+``generate()`` validates a request (a bad request raises at the call, before anything is
+queued) and returns a :class:`ResponseStream`. Iterating the stream prepares the request
+(canonicalize, tokenize, key: inline or in an ingress worker), queues the ticket; the
 scheduler decides when it is dispatched; the engine's outputs are passed through unchanged.
 Whatever way the stream ends (completion, error, the consumer cancelled or closed it), the
 ticket's reservations are released and, if the engine had it, the engine request is aborted.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -30,8 +33,9 @@ from .errors import (
     Rejected,
     ShuttingDown,
 )
-from .ingress import Ingress, Prompt
-from .keys import block_hashes
+from .ingress import Ingress, IngressRequest, Prompt
+from .ingress_pool import IngressPool, IngressPoolError, ProcessIngressPool, ThreadIngressPool
+from .keys import chain_hashes, pack_tokens
 from .mirror import PrefixMirror
 from .queueing import ORDERING_POLICIES, Scheduler
 from .ratelimit import TenantThrottle
@@ -40,6 +44,8 @@ from .streaming import ResponseStream
 from .tickets import Ticket, TicketState
 
 __all__ = ["Gateway", "ResponseStream"]  # ResponseStream lives in streaming.py
+
+log = logging.getLogger(__name__)
 
 
 class Gateway:
@@ -88,7 +94,9 @@ class Gateway:
         self._throttles: dict[str | None, TenantThrottle] = {}
         self._pump_scheduled = False
         self._stats = StatsRecorder()
-        self._live: dict[str, Ticket] = {}
+        self._live: dict[str, Ticket | None] = {}  # request ids of streams not yet ended
+        self._pool: IngressPool | None = self._make_pool()
+        self._closers: set[asyncio.Future[None]] = set()
         self._closing = False
         self._dead: EngineDead | None = None
         self._idle = asyncio.Event()
@@ -111,7 +119,31 @@ class Gateway:
             engine = VllmEngine(engine, clock=clock)
         return cls(engine, config, clock=clock)
 
+    def _make_pool(self) -> IngressPool | None:
+        config, mode = self.config, self.config.ingress
+        core = getattr(self.engine.tokenizer, "_tokenizer", None)
+        if mode == "auto":
+            real = isinstance(self.clock, MonotonicClock)
+            mode = "processes" if real and self._ingress.fast and hasattr(core, "to_str") else "inline"
+        if mode == "inline":
+            return None
+        workers = config.ingress_workers or min(4, max(1, (os.cpu_count() or 1) // 4))
+        if mode == "threads":
+            return ThreadIngressPool(workers, self._ingress.encode, self.engine.block_size,
+                                     config.canonicalize, config.ingress_max_pending)
+        if not self._ingress.fast or not hasattr(core, "to_str"):
+            raise ValueError("GatewayConfig.ingress='processes' needs a Hugging Face fast tokenizer "
+                             "(its Rust core is copied to the workers); use 'threads' or 'inline'")
+        return ProcessIngressPool(workers, core.to_str(), self._ingress.encode, self.engine.block_size,
+                                  config.canonicalize, config.ingress_max_pending,
+                                  config.ingress_bulk_chars)
+
     async def __aenter__(self) -> Gateway:
+        if self._pool is not None:
+            try:
+                await self._pool.start()
+            except IngressPoolError as e:
+                self._pool_failed(e)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -122,14 +154,18 @@ class Gateway:
     def generate(self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
                  request_id: str | None = None, lora_request: Any = None,
                  priority: int = 0) -> ResponseStream:
-        """Validates, canonicalizes and keys a request; iterate the result for its outputs.
+        """Validates a request; iterate the result for its outputs.
+
+        What can be checked without tokenizing is checked here, and a bad request raises here.
+        Canonicalizing, tokenizing and keying run here too when ingress is inline (see
+        ``GatewayConfig.ingress``), else in a worker once the stream is first iterated.
 
         Args:
-            prompt: A ``str``, UTF-8 ``bytes``, or a list of chat messages (rendered with the
-                engine tokenizer's chat template).
+            prompt: A ``str``, UTF-8 ``bytes``, a list of chat messages (rendered with the engine
+                tokenizer's chat template), or token ids (a list of ints or a ``TokensPrompt``).
             sampling_params: The engine's sampling parameters; engine defaults when ``None``.
             tenant: Namespaces the prefix cache (see ``GatewayConfig.isolate_tenants``).
-            request_id: The engine request id; a fresh UUID when ``None``.
+            request_id: The engine request id; a fresh unique id when ``None``.
             lora_request: Passed to the engine; part of the block-key namespace.
             priority: Used by the ``priority`` ordering (lower first).
 
@@ -137,32 +173,39 @@ class Gateway:
             A :class:`ResponseStream` of the engine's outputs.
 
         Raises:
-            InvalidRequest: Malformed prompt or parameters, unknown tenant, duplicate id.
+            InvalidRequest: Malformed prompt or parameters, unknown tenant, an id in use.
             PromptTooLong: The prompt exceeds the model's (or the configured) limit.
             ShuttingDown: The gateway is closing.
             EngineDead: The engine has died.
         """
         try:
-            if self._closing:
-                raise ShuttingDown("gateway is shutting down")
-            if self._dead is not None:
-                raise EngineDead("the engine has died") from self._dead.__cause__
-            ticket = self._ingress.make_ticket(
-                prompt, sampling_params, tenant=tenant, request_id=request_id,
-                lora_request=lora_request, priority=priority)
-            self._check_unique(ticket.request_id)
+            self._check_open()
+            request = self._ingress.check(prompt, sampling_params, tenant=tenant,
+                                          request_id=request_id, lora_request=lora_request,
+                                          priority=priority)
+            self._claim(request.request_id)
         except PrefixgateError as e:
             self._stats.refuse(e.outcome)
             raise
-        return ResponseStream(self, ticket)
+        ticket = None
+        if self._inline(request):
+            try:
+                ticket = self._ingress.ticket(request, self._ingress.prepare(request))
+            except PrefixgateError as e:
+                self._live.pop(request.request_id, None)
+                self._stats.refuse(e.outcome)
+                raise
+            self._live[request.request_id] = ticket
+        return ResponseStream(self, request, ticket)
 
     def try_generate(self, prompt: Prompt, sampling_params: Any = None, *,
                      tenant: str | None = None, request_id: str | None = None,
                      lora_request: Any = None, priority: int = 0) -> ResponseStream:
         """The non-blocking twin of :meth:`generate`: dispatches now or raises, never queues.
 
-        The returned stream already holds its engine slot and KV reservation; iterate it (or
-        ``aclose()`` it) promptly. Takes the same arguments as :meth:`generate`.
+        Ingress runs inline. The returned stream already holds its engine slot and KV
+        reservation; iterate it (or ``aclose()`` it) promptly. Takes the same arguments as
+        :meth:`generate`.
 
         Raises:
             Overloaded: The request does not fit now (reason: ``kv_reserved``, ``kv_free_low``,
@@ -170,10 +213,17 @@ class Gateway:
             RateLimited: The tenant's request rate is used up.
             Everything :meth:`generate` raises.
         """
-        stream = self.generate(prompt, sampling_params, tenant=tenant, request_id=request_id,
-                               lora_request=lora_request, priority=priority)
-        ticket = stream.ticket
         try:
+            self._check_open()
+            request = self._ingress.check(prompt, sampling_params, tenant=tenant,
+                                          request_id=request_id, lora_request=lora_request,
+                                          priority=priority)
+            self._claim(request.request_id)
+        except PrefixgateError as e:
+            self._stats.refuse(e.outcome)
+            raise
+        try:
+            ticket = self._ingress.ticket(request, self._ingress.prepare(request))
             throttle = self._throttle(ticket.tenant)
             if throttle is not None and not throttle.try_acquire():
                 raise RateLimited(f"tenant {ticket.tenant!r} is over its request rate",
@@ -186,11 +236,13 @@ class Gateway:
                 self._scheduler.finish(ticket)
                 ticket.state = TicketState.NEW
                 raise self._overloaded(self._scheduler.blocked or "kv_reserved")
-        except Rejected as e:
+        except PrefixgateError as e:
+            self._live.pop(request.request_id, None)
             self._stats.refuse(e.outcome, getattr(e, "reason", None))
             raise
         self._stats.accept(ticket)
         self._live[ticket.request_id] = ticket
+        stream = ResponseStream(self, request, ticket)
         stream._dispatched_early()
         return stream
 
@@ -199,7 +251,7 @@ class Gateway:
         """Whether :meth:`try_generate` with these arguments would be dispatched now. Pure."""
         try:
             ticket = self._ingress.make_ticket(prompt, sampling_params, tenant=tenant,
-                                               lora_request=lora_request)
+                                               lora_request=lora_request, request_id="can-admit")
         except PrefixgateError:
             return False
         throttle = self._throttle(ticket.tenant)
@@ -241,12 +293,47 @@ class Gateway:
                     w.cancel()
             for ticket in list(self._scheduler.running):
                 await self.engine.abort(ticket.request_id)
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.aclose()
 
     # -- the async shell --------------------------------------------------------------------
 
-    def _check_unique(self, request_id: str) -> None:
+    def _check_open(self) -> None:
+        if self._closing:
+            raise ShuttingDown("gateway is shutting down")
+        if self._dead is not None:
+            raise EngineDead("the engine has died") from self._dead.__cause__
+
+    def _claim(self, request_id: str) -> None:
+        """Holds ``request_id`` from the call until its stream ends (or is dropped unread)."""
         if request_id in self._live:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        self._live[request_id] = None
+
+    def _inline(self, request: IngressRequest) -> bool:
+        """Whether ``request`` is prepared on the loop: no pool, pre-tokenized, or small."""
+        return (self._pool is None or request.text is None
+                or len(request.text) < self.config.ingress_min_chars)
+
+    def _pool_failed(self, error: BaseException) -> None:
+        log.warning("prefixgate: the ingress pool failed (%s); preparing requests inline from now on",
+                    error)
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            self._closers.add(task := asyncio.ensure_future(pool.aclose()))
+            task.add_done_callback(self._closers.discard)
+
+    async def _prepare(self, request: IngressRequest) -> Ticket:
+        """Prepares ``request`` in the pool (inline if the pool fails) and tickets it."""
+        pool = self._pool
+        if pool is not None:
+            try:
+                return self._ingress.ticket(request, await pool.prepare(request))
+            except IngressPoolError as e:
+                if self._pool is pool:
+                    self._pool_failed(e)
+        return self._ingress.ticket(request, self._ingress.prepare(request))
 
     def _throttle(self, tenant: str | None) -> TenantThrottle | None:
         limits = self.config.tenants.get(tenant, self.config.default_tenant_limits) if tenant \
@@ -322,31 +409,38 @@ class Gateway:
     async def _admit(self, ticket: Ticket) -> None:
         """Rate-limits, load-checks and queues ``ticket`` (the blocking path's ingress)."""
         try:
-            if self._closing:
-                raise ShuttingDown("gateway is shutting down")
-            self._check_unique(ticket.request_id)
+            self._check_open()
             throttle = self._throttle(ticket.tenant)
             if throttle is not None:
-                self._live[ticket.request_id] = ticket  # hold the id while waiting for the rate
-                try:
-                    await throttle.acquire()
-                finally:
-                    del self._live[ticket.request_id]
-                if self._closing:
-                    raise ShuttingDown("gateway is shutting down")
+                await throttle.acquire()
+                self._check_open()
             self._check_load(ticket)
             ticket.granted = asyncio.get_running_loop().create_future()
             self._scheduler.enqueue(ticket)
-        except (Rejected, ShuttingDown) as e:
+        except (Rejected, ShuttingDown, EngineDead) as e:
             self._stats.refuse(e.outcome, getattr(e, "reason", None))
             raise
-        self._live[ticket.request_id] = ticket
         self._stats.accept(ticket)
 
-    async def _serve(self, ticket: Ticket, *, admitted: bool = False) -> AsyncGenerator[Any, None]:
-        """Queues, dispatches and streams one ticket; releases everything it held on exit."""
-        if not admitted:
-            await self._admit(ticket)
+    async def _serve(self, stream: ResponseStream) -> AsyncGenerator[Any, None]:
+        """Prepares (if not yet), queues, dispatches and streams one request; releases
+        everything it held on exit."""
+        request, ticket = stream.request, stream.ticket
+        admitted = stream.admitted
+        try:
+            if ticket is None:
+                try:
+                    ticket = await self._prepare(request)
+                except PrefixgateError as e:
+                    self._stats.refuse(e.outcome)
+                    raise
+                stream._ticket = ticket
+                self._live[request.request_id] = ticket
+            if not admitted:
+                await self._admit(ticket)
+        except BaseException:
+            self._live.pop(request.request_id, None)
+            raise
         dispatched = admitted
         try:
             if not admitted:
@@ -355,10 +449,10 @@ class Gateway:
             if self._dead is not None:
                 raise EngineDead("the engine has died") from self._dead.__cause__
             dispatched = True
-            request = EngineRequest(ticket.request_id, ticket.prompt_token_ids,
-                                    ticket.sampling_params, ticket.cache_salt,
-                                    ticket.lora_request, ticket.priority)
-            async with contextlib.aclosing(self.engine.generate(request)) as outputs:
+            outputs = self.engine.generate(EngineRequest(
+                ticket.request_id, ticket.prompt_token_ids, ticket.sampling_params, ticket.cache_salt,
+                ticket.lora_request, ticket.priority))
+            try:
                 async for out in outputs:
                     if ticket.first_output_at is None:
                         ticket.first_output_at = self.clock.now()
@@ -369,6 +463,8 @@ class Gateway:
                             raise EngineError(f"the engine aborted {ticket.request_id}")
                         self._on_complete(ticket, out)  # before the yield: callers may stop here
                     yield out
+            finally:
+                await outputs.aclose()  # type: ignore[attr-defined]
             if ticket.outcome is not Outcome.COMPLETED:
                 if self._closing:
                     raise ShuttingDown(f"{ticket.request_id} aborted: gateway closed")
@@ -391,9 +487,12 @@ class Gateway:
             if ticket.outcome is None:  # pragma: no cover - every path above sets it
                 ticket.outcome = Outcome.ENGINE_ERROR
             self._release(ticket)
-            if dispatched and ticket.outcome is not Outcome.COMPLETED and self._dead is None:
-                with contextlib.suppress(Exception):
-                    await self.engine.abort(ticket.request_id)
+            try:
+                if dispatched and ticket.outcome is not Outcome.COMPLETED and self._dead is None:
+                    with contextlib.suppress(Exception):
+                        await self.engine.abort(ticket.request_id)
+            finally:
+                self._live.pop(ticket.request_id, None)
 
     def _release(self, ticket: Ticket) -> None:
         """Ends ``ticket``: frees its queue slot or window slot and blocks, counts its outcome,
@@ -402,18 +501,21 @@ class Gateway:
             return
         ticket.finished_at = self.clock.now()
         self._scheduler.finish(ticket)
-        self._live.pop(ticket.request_id, None)
         self._stats.end(ticket)
         if not self._scheduler.running:
             self._idle.set()
         if self._scheduler.num_waiting:
             self._pump_now()
 
-    def _abandon(self, ticket: Ticket) -> None:
-        """Ends a ``try_generate`` ticket that was dispatched but never iterated."""
-        ticket.outcome = Outcome.CANCELLED
-        with contextlib.suppress(RuntimeError):  # no running loop (interpreter teardown)
-            self._release(ticket)
+    def _forget(self, stream: ResponseStream) -> None:
+        """Ends a stream that was never iterated: frees its id and, for a ``try_generate``
+        stream that was dispatched, its reservations."""
+        ticket = stream.ticket
+        if stream.admitted and ticket is not None and ticket.state is TicketState.RUNNING:
+            ticket.outcome = Outcome.CANCELLED
+            with contextlib.suppress(RuntimeError):  # no running loop (interpreter teardown)
+                self._release(ticket)
+        self._live.pop(stream.request.request_id, None)
 
     def _on_complete(self, ticket: Ticket, last: Any) -> None:
         """Records the finished output and frees the ticket's engine slot at once: the
@@ -424,11 +526,16 @@ class Gateway:
         if len(completions) == 1 and not _is_delta(ticket.sampling_params):
             ticket.output_token_ids = tuple(completions[0].token_ids)
             # The engine also caches full blocks of the output (all but the last token's KV
-            # is computed): a follow-up turn that repeats them hits.
-            computed = ticket.prompt_token_ids + ticket.output_token_ids[:-1]
-            chain = block_hashes(computed, self.engine.block_size, ticket.namespace,
-                                 seed=self.config.key_seed, known=ticket.block_hashes)
-            self._mirror.insert(chain)
+            # is computed): a follow-up turn that repeats them hits. Only the blocks past the
+            # prompt's chain are hashed.
+            known = ticket.block_hashes
+            size = self.engine.block_size
+            rest = ticket.prompt_token_ids[len(known) * size :]
+            if len(rest) + len(ticket.output_token_ids) - 1 >= size:
+                root = known[-1] if known else ticket.namespace.root(self.config.key_seed)
+                tail = pack_tokens(rest) + pack_tokens(ticket.output_token_ids[:-1])
+                known = (*known, *chain_hashes(tail, size, root))
+            self._mirror.insert(known)  # freed now: most recently used, as in vLLM's LRU
         self._release(ticket)
 
     def __repr__(self) -> str:

@@ -1,41 +1,200 @@
 """Ingress: validate, canonicalize, tokenize and key a request into a :class:`Ticket`.
 
-Synchronous and side-effect free: a request that fails here raises a typed
-:class:`~prefixgate.errors.Rejected` error and nothing of it is queued or reserved.
+Split in two so that the expensive part can leave the event loop:
+
+1. :meth:`Ingress.check` (on the loop, microseconds): types, tenant, request id, sampling
+   parameters, size limits, UTF-8. A request that fails here raises a typed
+   :class:`~prefixgate.errors.Rejected` error at the call, and nothing of it is queued.
+2. :func:`prepare` (pure, anywhere): canonicalize, tokenize with the engine's tokenizer, pack the
+   token ids and hash their blocks. The gateway runs it inline for small or pre-tokenized
+   prompts and on a virtual clock, else in an :mod:`~prefixgate.ingress_pool` worker.
+3. :meth:`Ingress.ticket` (on the loop): length checks and the :class:`Ticket`; the prompt's key
+   chain is interned against recent siblings so equal prefixes share one set of key objects.
 """
 
 from __future__ import annotations
 
 import itertools
-import uuid
-from collections.abc import Mapping, Sequence
+import os
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
-from .canonicalize import Canonicalized, canonicalize_messages, canonicalize_text
+from .canonicalize import CanonicalizeConfig, canonicalize_messages, canonicalize_text
 from .clock import Clock
 from .config import GatewayConfig
-from .engine import Engine
+from .engine import Engine, SamplingCheck
 from .errors import InvalidRequest, PromptTooLong
-from .keys import Namespace, block_hashes, cacheable_blocks
+from .keys import BlockHash, ChainCache, Namespace, cacheable_blocks, common_prefix, pack_tokens
 from .tickets import Ticket
 
-__all__ = ["Ingress", "Prompt"]
+__all__ = ["Ingress", "IngressRequest", "Prepared", "Prompt", "fast_encoder", "prepare"]
 
-Prompt = str | bytes | Sequence[Mapping[str, Any]]
-"""A plain prompt (``str``, or UTF-8 ``bytes``) or a list of chat messages."""
+Prompt = str | bytes | Sequence[Mapping[str, Any]] | Mapping[str, Any] | Sequence[int]
+"""A plain prompt (``str``, or UTF-8 ``bytes``), a list of chat messages, or token ids (a list of
+ints, or vLLM's ``TokensPrompt`` mapping ``{"prompt_token_ids": [...]}``)."""
 
 # A prompt this many characters per allowed token is refused before tokenizing it: no real
-# tokenizer averages that many characters per token, and tokenizing megabytes blocks the loop.
+# tokenizer averages that many characters per token, and tokenizing megabytes costs seconds.
 _MAX_CHARS_PER_TOKEN = 64
+
+Encode = Callable[[str, bool], Sequence[int]]
+"""``encode(text, add_special_tokens) -> token ids``."""
+
+
+@dataclass(frozen=True, slots=True)
+class IngressRequest:
+    """A validated request, not yet tokenized. Exactly one of ``text`` and ``token_ids`` is set.
+
+    Attributes:
+        request_id: The engine request id.
+        tenant: The tenant, or ``None``.
+        namespace: Block-key namespace (model, LoRA, isolated tenant).
+        root: The namespace's root key (the first block's parent).
+        cache_salt: Passed to the engine, or ``None``.
+        sampling_params: The engine's sampling parameters.
+        check: What the engine said about them.
+        lora_request: Passed to the engine.
+        priority: Lower first under the ``priority`` ordering.
+        arrival: Gateway clock time of the call.
+        text: The prompt text to canonicalize and tokenize (chat messages already rendered).
+        add_special_tokens: Whether the tokenizer adds its special tokens (``False`` for text
+            rendered by a chat template, which writes its own).
+        canonical: ``text`` is canonical already (chat messages are canonicalized before the
+            template renders them); the fields below say what that changed.
+        token_ids: The prompt's token ids, for pre-tokenized prompts.
+        canonicalized: For chat messages: whether canonicalizing their contents changed them.
+        chars_removed: For chat messages: characters canonicalization removed.
+        edits: For chat messages: substitutions per rule.
+    """
+
+    request_id: str
+    tenant: str | None
+    namespace: Namespace
+    root: BlockHash
+    cache_salt: str | None
+    sampling_params: Any
+    check: SamplingCheck
+    lora_request: Any
+    priority: int
+    arrival: float
+    text: str | None = None
+    add_special_tokens: bool = True
+    canonical: bool = False
+    token_ids: Sequence[int] | None = None
+    canonicalized: bool = False
+    chars_removed: int = 0
+    edits: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        """Characters (text) or tokens (pre-tokenized): what preparing it costs."""
+        return len(self.text) if self.text is not None else len(self.token_ids or ())
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What preparing a request produced: canonical token ids and their block keys.
+
+    Attributes:
+        token_ids: The canonical prompt's token ids.
+        chain: One key per full block.
+        canonicalized: Whether canonicalization changed the prompt.
+        chars_removed: Characters canonicalization removed.
+        edits: Substitutions per canonicalization rule.
+    """
+
+    token_ids: Sequence[int]
+    chain: tuple[BlockHash, ...]
+    canonicalized: bool = False
+    chars_removed: int = 0
+    edits: Mapping[str, int] = field(default_factory=dict)
+
+
+def prepare(request: IngressRequest, *, encode: Encode, chains: ChainCache,
+            canonicalize: CanonicalizeConfig) -> Prepared:
+    """Canonicalizes, tokenizes, packs and keys one request. Pure apart from ``chains``.
+
+    Raises:
+        InvalidRequest: If the tokenizer fails on the prompt or returns invalid token ids.
+    """
+    if request.token_ids is not None:
+        ids: Sequence[int] = request.token_ids
+        canon_changed, removed, edits = request.canonicalized, request.chars_removed, request.edits
+    else:
+        assert request.text is not None
+        if not request.canonical:
+            canon = canonicalize_text(request.text, canonicalize)
+            text, canon_changed, removed, edits = canon.value, canon.changed, canon.chars_removed, canon.edits
+        else:
+            text = request.text
+            canon_changed, removed, edits = request.canonicalized, request.chars_removed, request.edits
+        try:
+            ids = encode(text, request.add_special_tokens)
+        except Exception as e:  # tokenizers raise anything from ValueError to Rust panics
+            raise InvalidRequest(f"could not tokenize the prompt: {type(e).__name__}: {e}") from e
+    try:
+        data = pack_tokens(ids)
+    except ValueError as e:
+        raise InvalidRequest(f"invalid token ids: {e}") from None
+    chain = chains.chain(data, request.root)
+    return Prepared(ids, chain, canon_changed, removed, edits)
+
+
+def fast_encoder(tokenizer: Any) -> Encode | None:
+    """An encoder calling a Hugging Face fast tokenizer's Rust core directly, or ``None``.
+
+    ``encode_batch_fast`` releases the GIL (the plain ``encode`` does not) and skips offsets, so
+    a worker thread tokenizes while the event loop runs. Used only if it gives the same ids as
+    ``tokenizer.encode`` on probe texts; ``None`` when the tokenizer is not such a tokenizer.
+    """
+    core = getattr(tokenizer, "_tokenizer", None)
+    batch = getattr(core, "encode_batch_fast", None) or getattr(core, "encode_batch", None)
+    if batch is None or not hasattr(tokenizer, "encode"):
+        return None
+
+    def encode(text: str, add_special_tokens: bool) -> list[int]:
+        return batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    probes = ("Hello world", "  two  spaces\tand a tab\n\nnew paragraph", "déjà vu — ünïcode ✓ 中文",
+              "def f(x):\n    return x  # code", '{"key": [1, 2.5, null]}', " ", "a")
+    try:
+        for text in probes:
+            for special in (True, False):
+                if list(tokenizer.encode(text, add_special_tokens=special)) != encode(text, special):
+                    return None
+    except Exception:
+        return None
+    return encode
+
+
+def _plain_encoder(tokenizer: Any) -> Encode:
+    def encode(text: str, add_special_tokens: bool) -> Sequence[int]:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    return encode
 
 
 def _check_utf8(text: str, what: str) -> None:
+    if text.isascii():  # O(1): no surrogates possible
+        return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidRequest(f"{what} is not valid Unicode text (lone surrogate at {e.start})") from None
+
+
+def _check_name(value: Any, what: str, *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{what} must be a non-empty string{' or None' if optional else ''}, "
+                             f"got {value!r}")
+    _check_utf8(value, what)
 
 
 class Ingress:
@@ -58,91 +217,116 @@ class Ingress:
         if config.max_prompt_tokens is not None:
             limit = min(limit, config.max_prompt_tokens)
         self.max_prompt_tokens = limit
+        self.max_chars = limit * _MAX_CHARS_PER_TOKEN
         self._seq = itertools.count()
+        self._ids = itertools.count()
+        self._id_prefix = f"pg-{os.urandom(6).hex()}-"
+        fast = fast_encoder(engine.tokenizer)
+        self.fast = fast is not None
+        """Whether ``encode`` calls a Hugging Face fast tokenizer's Rust core directly."""
+        self.encode: Encode = fast or _plain_encoder(engine.tokenizer)
+        self.chains = ChainCache(self.block_size)
+        self._roots: dict[tuple[str, str | None, str | None], BlockHash] = {}
+        self._salts: dict[str, str] = {}
+        self._interned: OrderedDict[BlockHash, tuple[BlockHash, ...]] = OrderedDict()
 
-    def make_ticket(
+    # -- 1. on the loop: validate --------------------------------------------------------------
+
+    def check(
         self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
         request_id: str | None = None, lora_request: Any = None, priority: int = 0,
-    ) -> Ticket:
-        """Validates and keys one request.
+    ) -> IngressRequest:
+        """Validates one request without tokenizing it.
 
         Raises:
             InvalidRequest: Malformed prompt, tenant, request id or sampling parameters.
-            PromptTooLong: More prompt tokens than the model (or ``max_prompt_tokens``) allows.
+            PromptTooLong: Far more characters (or tokens) than the model allows.
         """
         tenant = self._check_tenant(tenant)
         if request_id is None:
-            request_id = uuid.uuid4().hex
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequest("request_id must be a non-empty string")
+            request_id = f"{self._id_prefix}{next(self._ids)}"
+        else:
+            _check_name(request_id, "request_id", optional=False)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequest(f"priority must be an int, got {priority!r}")
         if sampling_params is None:
             sampling_params = self.engine.default_sampling_params()
         check = self.engine.check_sampling_params(sampling_params)
-
-        canon = self._canonicalize(prompt)
-        token_ids = self._tokenize(canon.value)
-        n = len(token_ids)
-        if n == 0:
-            raise InvalidRequest("prompt is empty after canonicalization and tokenization")
-        if n > self.max_prompt_tokens:
-            raise PromptTooLong(
-                f"prompt has {n} tokens; at most {self.max_prompt_tokens} are accepted "
-                f"(max_model_len {self.max_model_len} leaves room for one output token)",
-                num_tokens=n, limit=self.max_prompt_tokens)
-
         lora_name = getattr(lora_request, "lora_name", None) if lora_request is not None else None
         isolated = tenant if self.config.isolate_tenants else None
-        namespace = Namespace(self.model, lora_name, isolated)
-        try:
-            hashes = block_hashes(token_ids, self.block_size, namespace, seed=self.config.key_seed)
-        except ValueError as e:
-            raise InvalidRequest(f"tokenizer produced invalid token ids: {e}") from None
-        salt = None
-        if isolated is not None:
-            digest = xxhash.xxh3_128_hexdigest(isolated.encode(), self.config.key_seed)
-            salt = f"prefixgate-{digest}"
-        return Ticket(
-            request_id=request_id, tenant=tenant, namespace=namespace,
-            prompt_token_ids=tuple(token_ids), block_hashes=hashes,
-            cacheable_blocks=cacheable_blocks(n, self.block_size) if check.reads_cache else 0,
-            sampling_params=sampling_params, max_tokens=check.max_tokens, cache_salt=salt,
-            lora_request=lora_request, priority=priority, arrival=self.clock.now(),
-            canonicalized=canon.changed, chars_removed=canon.chars_removed,
-            seq=next(self._seq),
-        )
-
-    def _check_tenant(self, tenant: str | None) -> str | None:
-        if tenant is None:
-            return None
-        if not isinstance(tenant, str) or not tenant:
-            raise InvalidRequest(f"tenant must be a non-empty string or None, got {tenant!r}")
-        known = self.config.known_tenants
-        if known is not None and tenant not in known:
-            raise InvalidRequest(f"unknown tenant {tenant!r}")
-        return tenant
-
-    def _canonicalize(self, prompt: Prompt) -> Canonicalized:
-        limit_chars = self.max_prompt_tokens * _MAX_CHARS_PER_TOKEN
+        root_key = (self.model, lora_name, isolated)
+        root = self._roots.get(root_key)
+        if root is None:
+            namespace = Namespace(*root_key)
+            root = namespace.root(self.config.key_seed)
+            if len(self._roots) >= 4096:  # bounded: tenants come and go
+                self._roots.clear()
+            self._roots[root_key] = root
+        namespace = Namespace(*root_key)
+        salt = self._salt(isolated) if isolated is not None else None
+        fields = dict(request_id=request_id, tenant=tenant, namespace=namespace, root=root,
+                      cache_salt=salt, sampling_params=sampling_params, check=check,
+                      lora_request=lora_request, priority=priority, arrival=self.clock.now())
         if isinstance(prompt, bytes | bytearray | memoryview):
             try:
                 prompt = bytes(prompt).decode("utf-8")
             except UnicodeDecodeError as e:
                 raise InvalidRequest(f"prompt bytes are not valid UTF-8 (at byte {e.start})") from None
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("prompt is empty")
-            if len(prompt) > limit_chars:
-                raise PromptTooLong(f"prompt has {len(prompt)} characters, far over the token limit",
-                                    num_tokens=None, limit=self.max_prompt_tokens)
-            _check_utf8(prompt, "prompt")
-            return canonicalize_text(prompt, self.config.canonicalize)
+            self._check_text(prompt)
+            return IngressRequest(**fields, text=prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" not in prompt:
+                raise InvalidRequest("a mapping prompt must be a TokensPrompt with 'prompt_token_ids'")
+            return IngressRequest(**fields, token_ids=self._check_ids(prompt["prompt_token_ids"]))
         if not isinstance(prompt, Sequence) or not prompt:
-            raise InvalidRequest("prompt must be a non-empty str, UTF-8 bytes, or a non-empty "
-                                 f"list of chat messages; got {type(prompt).__name__}")
+            raise InvalidRequest("prompt must be a non-empty str, UTF-8 bytes, token ids or a "
+                                 f"non-empty list of chat messages; got {type(prompt).__name__}")
+        if isinstance(prompt[0], int):
+            return IngressRequest(**fields, token_ids=self._check_ids(prompt))
+        canon = canonicalize_messages(self._check_messages(prompt), self.config.canonicalize)
+        text = self._render(canon.value)
+        return IngressRequest(**fields, text=text, add_special_tokens=False, canonical=True,
+                              canonicalized=canon.changed, chars_removed=canon.chars_removed,
+                              edits=canon.edits)
+
+    def _check_tenant(self, tenant: str | None) -> str | None:
+        _check_name(tenant, "tenant", optional=True)
+        known = self.config.known_tenants
+        if tenant is not None and known is not None and tenant not in known:
+            raise InvalidRequest(f"unknown tenant {tenant!r}")
+        return tenant
+
+    def _salt(self, tenant: str) -> str:
+        salt = self._salts.get(tenant)
+        if salt is None:
+            digest = xxhash.xxh3_128_hexdigest(tenant.encode(), self.config.key_seed)
+            salt = f"prefixgate-{digest}"
+            if len(self._salts) >= 4096:
+                self._salts.clear()
+            self._salts[tenant] = salt
+        return salt
+
+    def _check_text(self, text: str) -> None:
+        if not text:
+            raise InvalidRequest("prompt is empty")
+        if len(text) > self.max_chars:
+            raise PromptTooLong(f"prompt has {len(text)} characters, far over the token limit",
+                                num_tokens=None, limit=self.max_prompt_tokens)
+        _check_utf8(text, "prompt")
+
+    def _check_ids(self, ids: Any) -> Sequence[int]:
+        if not isinstance(ids, Sequence | array) or isinstance(ids, str | bytes) or not ids:
+            raise InvalidRequest("token ids must be a non-empty list of ints")
+        n = len(ids)
+        if n > self.max_prompt_tokens:
+            raise PromptTooLong(f"prompt has {n} tokens; at most {self.max_prompt_tokens} are accepted",
+                                num_tokens=n, limit=self.max_prompt_tokens)
+        return ids
+
+    def _check_messages(self, messages: Sequence[Any]) -> Sequence[Mapping[str, Any]]:
         total = 0
-        for i, message in enumerate(prompt):
+        for i, message in enumerate(messages):
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
                 raise InvalidRequest(f"message {i} must be a mapping with a string 'role'")
             content = message.get("content")
@@ -152,24 +336,88 @@ class Ingress:
                 if isinstance(text, str):
                     _check_utf8(text, f"message {i}")
                     total += len(text)
-        if total > limit_chars:
+        if total > self.max_chars:
             raise PromptTooLong(f"messages have {total} characters, far over the token limit",
                                 num_tokens=None, limit=self.max_prompt_tokens)
-        return canonicalize_messages(prompt, self.config.canonicalize)
+        return messages
 
-    def _tokenize(self, value: str | list[dict[str, Any]]) -> list[int]:
-        tokenizer = self.engine.tokenizer
+    def _render(self, messages: list[dict[str, Any]]) -> str:
         try:
-            if isinstance(value, str):
-                return list(tokenizer.encode(value))
-            text = tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
-            # The chat template writes its own special tokens (BOS included).
-            return list(tokenizer.encode(text, add_special_tokens=False))
-        except InvalidRequest:
-            raise
-        except Exception as e:  # tokenizers and templates raise anything from ValueError to Jinja's
-            raise InvalidRequest(f"could not tokenize the prompt: {type(e).__name__}: {e}") from e
+            return self.engine.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                             add_generation_prompt=True)
+        except Exception as e:  # templates raise anything from ValueError to Jinja's errors
+            raise InvalidRequest(f"could not render the chat template: {type(e).__name__}: {e}") from e
+
+    # -- 2. anywhere: prepare -----------------------------------------------------------------
+
+    def prepare(self, request: IngressRequest) -> Prepared:
+        """:func:`prepare` with this gateway's tokenizer and chain cache (inline)."""
+        return prepare(request, encode=self.encode, chains=self.chains,
+                       canonicalize=self.config.canonicalize)
+
+    # -- 3. on the loop: the ticket -----------------------------------------------------------
+
+    def ticket(self, request: IngressRequest, prepared: Prepared) -> Ticket:
+        """The ticket of a prepared request.
+
+        Raises:
+            InvalidRequest: The prompt is empty after canonicalization and tokenization.
+            PromptTooLong: More prompt tokens than the model (or ``max_prompt_tokens``) allows.
+        """
+        n = len(prepared.token_ids)
+        if n == 0:
+            raise InvalidRequest("prompt is empty after canonicalization and tokenization")
+        if n > self.max_prompt_tokens:
+            raise PromptTooLong(
+                f"prompt has {n} tokens; at most {self.max_prompt_tokens} are accepted "
+                f"(max_model_len {self.max_model_len} leaves room for one output token)",
+                num_tokens=n, limit=self.max_prompt_tokens)
+        check = request.check
+        return Ticket(
+            request_id=request.request_id, tenant=request.tenant, namespace=request.namespace,
+            prompt_token_ids=prepared.token_ids, block_hashes=self._intern(prepared.chain),
+            cacheable_blocks=cacheable_blocks(n, self.block_size) if check.reads_cache else 0,
+            sampling_params=request.sampling_params, max_tokens=check.max_tokens,
+            cache_salt=request.cache_salt, lora_request=request.lora_request,
+            priority=request.priority, arrival=request.arrival,
+            canonicalized=prepared.canonicalized, chars_removed=prepared.chars_removed,
+            seq=next(self._seq),
+        )
+
+    def make_ticket(self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
+                    request_id: str | None = None, lora_request: Any = None,
+                    priority: int = 0) -> Ticket:
+        """Validates, prepares (inline) and tickets one request. See :meth:`check`."""
+        request = self.check(prompt, sampling_params, tenant=tenant, request_id=request_id,
+                             lora_request=lora_request, priority=priority)
+        return self.ticket(request, self.prepare(request))
+
+    def _intern(self, chain: tuple[BlockHash, ...]) -> tuple[BlockHash, ...]:
+        """``chain`` with its prefix shared with the last chain of the same first block replaced
+        by that chain's key objects: sorting and comparing siblings then compares pointers."""
+        if not chain:
+            return chain
+        interned = self._interned
+        last = interned.get(chain[0])
+        if last is not None and last is not chain:
+            shared = common_prefix(chain, last)
+            if shared == len(chain) and len(last) == shared:
+                chain = last
+            elif shared:
+                chain = (*last[:shared], *chain[shared:])
+        interned[chain[0]] = chain
+        interned.move_to_end(chain[0])
+        if len(interned) > 4096:
+            interned.popitem(last=False)
+        return chain
 
     def __repr__(self) -> str:
         return (f"Ingress(model={self.model!r}, block_size={self.block_size}, "
                 f"max_prompt_tokens={self.max_prompt_tokens})")
+
+
+def ids_from_bytes(data: bytes) -> array:
+    """Token ids packed by :func:`~prefixgate.keys.pack_tokens`, as an ``array('I')``."""
+    ids = array("I")
+    ids.frombytes(data)
+    return ids

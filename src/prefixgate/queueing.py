@@ -30,13 +30,12 @@ How a ticket is chosen, in order:
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sortedcontainers import SortedKeyList
+from sortedcontainers import SortedKeyList, SortedList
 
 from .admission import Admission
 from .clock import Clock
@@ -209,6 +208,7 @@ class Scheduler:
         self._last_key: dict[str | None, Any] = {}
         self._last_hashes: dict[str | None, tuple[Any, ...]] = {}
         self.recent_waits: deque[float] = deque(maxlen=256)
+        self._sorted_waits: SortedList = SortedList()  # recent_waits, sorted (for the median)
         self.newest_dispatched_arrival = float("-inf")
         self.aged_dispatches = 0
         self.blocked: str | None = None
@@ -260,7 +260,18 @@ class Scheduler:
 
     def median_wait(self) -> float | None:
         """Median queue wait of the recently dispatched tickets, or ``None`` before any."""
-        return statistics.median(self.recent_waits) if self.recent_waits else None
+        waits = self._sorted_waits
+        n = len(waits)
+        if not n:
+            return None
+        return waits[n // 2] if n % 2 else (waits[n // 2 - 1] + waits[n // 2]) / 2
+
+    def _note_wait(self, wait: float) -> None:
+        waits = self.recent_waits
+        if len(waits) == waits.maxlen:
+            self._sorted_waits.remove(waits[0])
+        waits.append(wait)
+        self._sorted_waits.add(wait)
 
     def _limits(self, tenant: str | None) -> TenantLimits:
         return self.tenant_limits.get(tenant, self.default_limits) if tenant else self.default_limits
@@ -306,12 +317,11 @@ class Scheduler:
             return None
         ticket = self.queues[tenant].after(self._last_key[tenant])
         last = self._last_hashes[tenant]
-        shared = 0
-        for a, b in zip(ticket.block_hashes[: ticket.cacheable_blocks], last, strict=False):
-            if a != b:
-                break
-            shared += 1
-        return ticket if shared and 2 * shared >= ticket.cacheable_blocks else None
+        half = (ticket.cacheable_blocks + 1) // 2  # at least one block, at least half of them
+        # Keys stand for their whole prefix: sharing key half-1 means sharing all before it.
+        if half and half <= len(last) and ticket.block_hashes[half - 1] == last[half - 1]:
+            return ticket
+        return None
 
     def _pick(self, tenant: str | None) -> Ticket:
         queue = self.queues[tenant]
@@ -384,7 +394,7 @@ class Scheduler:
             self._served[ticket.tenant] = self._serial
             self._last_key[ticket.tenant] = self.policy.sort_key(ticket)
             self._last_hashes[ticket.tenant] = ticket.block_hashes
-            self.recent_waits.append(now - ticket.arrival)
+            self._note_wait(now - ticket.arrival)
             self.newest_dispatched_arrival = max(self.newest_dispatched_arrival, ticket.arrival)
             self.aged_dispatches += aged
             out.append(Dispatch(ticket, hit_blocks, blocks))

@@ -1,8 +1,9 @@
 """Stage 6: the stream a caller iterates, one per request.
 
-``Gateway.generate()`` returns a :class:`ResponseStream`. Iterating it queues the request and
-yields the engine's own outputs; closing it or cancelling the consumer frees everything the
-request held. The work itself is done by the gateway's ``_serve``; this is the caller's handle.
+``Gateway.generate()`` returns a :class:`ResponseStream`. Iterating it prepares the request (if
+ingress runs off the loop), queues it and yields the engine's own outputs; closing it or
+cancelling the consumer frees everything the request held. The work itself is done by the
+gateway's ``_serve``; this is the caller's handle.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from .tickets import Ticket, TicketState
-
 if TYPE_CHECKING:  # pragma: no cover
     from .gateway import Gateway
+    from .ingress import IngressRequest
+    from .tickets import Ticket
 
 __all__ = ["ResponseStream"]
 
@@ -22,13 +23,14 @@ class ResponseStream(AsyncIterator[Any]):
     """The outputs of one request, as the engine produced them (vLLM ``RequestOutput``).
 
     Iterating it queues the request; closing it (``aclose()``, ``async with``, or leaving an
-    ``async for`` early and letting it be collected) or cancelling the consuming task aborts
+    ``async for`` early and letting it be collected) or cancelling the consumer task aborts
     the engine request and frees its reservations. A stream that is never iterated queues
-    nothing.
+    nothing, and its request id is free again once it is closed or collected.
     """
 
-    def __init__(self, gateway: Gateway, ticket: Ticket) -> None:
+    def __init__(self, gateway: Gateway, request: IngressRequest, ticket: Ticket | None) -> None:
         self._gateway = gateway
+        self._request = request
         self._ticket = ticket
         self._agen: AsyncGenerator[Any, None] | None = None
         self._admitted = False
@@ -37,44 +39,58 @@ class ResponseStream(AsyncIterator[Any]):
         self._admitted = True  # try_generate: already holds its slot and reservation
 
     def __del__(self) -> None:
-        # A try_generate stream dropped without being iterated must not keep its reservation.
-        if self._admitted and self._agen is None and self._ticket.state is TicketState.RUNNING:
-            self._gateway._abandon(self._ticket)
+        if self._agen is None:  # never iterated: free its id (and a try_generate reservation)
+            self._gateway._forget(self)
+
+    @property
+    def request(self) -> IngressRequest:
+        """The validated request."""
+        return self._request
+
+    @property
+    def admitted(self) -> bool:
+        """Whether the request was dispatched at the call (``try_generate``)."""
+        return self._admitted
 
     @property
     def request_id(self) -> str:
         """The engine request id."""
-        return self._ticket.request_id
+        return self._request.request_id
 
     @property
-    def ticket(self) -> Ticket:
-        """The request's ticket (token ids, block keys, timings, outcome)."""
+    def ticket(self) -> Ticket | None:
+        """The request's ticket (token ids, block keys, timings, outcome), or ``None`` while
+        ingress prepares it off the event loop (before the first output)."""
         return self._ticket
 
     @property
     def predicted_hit_tokens(self) -> int | None:
         """Cache-hit tokens the gateway predicted at dispatch, or ``None`` before dispatch."""
-        return self._ticket.predicted_hit_tokens
+        return None if self._ticket is None else self._ticket.predicted_hit_tokens
 
     @property
     def cached_tokens(self) -> int | None:
         """Cache-hit tokens the engine reported (``num_cached_tokens``), once it did."""
-        return self._ticket.cached_tokens
+        return None if self._ticket is None else self._ticket.cached_tokens
 
-    def __aiter__(self) -> ResponseStream:
-        return self
+    def __aiter__(self) -> AsyncIterator[Any]:
+        # ``async for`` iterates the serving generator itself: one layer less per output.
+        if self._agen is None:
+            self._agen = self._gateway._serve(self)
+        return self._agen
 
     async def __anext__(self) -> Any:
         if self._agen is None:
-            self._agen = self._gateway._serve(self._ticket, admitted=self._admitted)
+            self._agen = self._gateway._serve(self)
         return await self._agen.__anext__()
 
     async def aclose(self) -> None:
         """Ends the stream: aborts the engine request if running, dequeues it if waiting."""
         if self._agen is not None:
             await self._agen.aclose()
-        elif self._admitted and self._ticket.state is TicketState.RUNNING:
-            self._gateway._abandon(self._ticket)
+        else:
+            self._agen = _closed()
+            self._gateway._forget(self)
 
     async def __aenter__(self) -> ResponseStream:
         return self
@@ -83,4 +99,10 @@ class ResponseStream(AsyncIterator[Any]):
         await self.aclose()
 
     def __repr__(self) -> str:
-        return f"ResponseStream({self._ticket!r})"
+        return f"ResponseStream({self._ticket or self._request.request_id!r})"
+
+
+async def _closed() -> AsyncGenerator[Any, None]:
+    """The generator of a stream closed before it was iterated: it yields nothing."""
+    return
+    yield  # pragma: no cover

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +54,7 @@ class Ticket:
     request_id: str
     tenant: str | None
     namespace: Namespace
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]
     block_hashes: tuple[BlockHash, ...]
     cacheable_blocks: int
     sampling_params: Any
