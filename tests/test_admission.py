@@ -22,6 +22,7 @@ class _T:
 
 
 _CHAINS = [tuple(f"{c}{j}" for j in range(6)) for c in "abc"]  # three prefix chains of keys
+_CHAINS += [("a0", "a1", "a2", "x3", "x4", "x5"), ("a0", "y1", "y2", "y3", "y4", "y5")]  # forks of a
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -44,7 +45,7 @@ class LedgerMachine(RuleBasedStateMachine):
         shared = {key for keys, _ in model.values() for key in keys}
         return len(shared) + sum(private for _, private in model.values())
 
-    @rule(i=st.integers(0, 11), chain=st.integers(0, 2), depth=st.integers(0, 6),
+    @rule(i=st.integers(0, 11), chain=st.integers(0, 4), depth=st.integers(0, 6),
           private=st.integers(0, 30))
     def reserve(self, i, chain, depth, private):
         t, shared = self.tickets[i], _CHAINS[chain][:depth]

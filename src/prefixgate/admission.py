@@ -17,9 +17,9 @@ import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
+from .chains import ChainTree, Run
 from .clock import Clock
 from .engine import KvStats
-from .keys import resident_prefix
 from .tickets import Ticket
 
 __all__ = ["Admission", "BlockLedger", "DrainRate"]
@@ -40,11 +40,11 @@ class BlockLedger:
     holder alone (and freeing the block when it ends) would let siblings run on blocks the
     ledger counts as free, which is how preemption storms start.
 
-    Shared keys are whole-prefix keys (see keys.py), so the held blocks form a forest of chains
-    and the ledger keeps, per held key, how many held keys continue it (``children``) and how
-    many reservations end at it (``ends``). Reserving costs a binary search plus the keys that
-    are new; releasing walks back from the reservation's last key only over the blocks it frees.
-    Siblings of a running prefix cost O(log n), not O(prompt).
+    Shared keys are whole-prefix keys (see keys.py), so the held blocks form a tree of chains,
+    kept as a radix tree (:class:`~prefixgate.chains.ChainTree`) whose runs count the
+    reservations passing through them: reserving walks the chain (a binary search per run) and
+    adds one run at most; releasing walks back up the reservation's few runs and drops those no
+    one passes through any more, whatever their length.
 
     Invariant: ``reserved == len(shared blocks held) + sum(private blocks)``,
     ``reserved + free == capacity`` and ``0 <= reserved <= capacity`` at all times; a ticket
@@ -62,9 +62,8 @@ class BlockLedger:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self.reserved = 0
-        self._held: dict[int, tuple[tuple[Hashable, ...], int]] = {}
-        self._children: dict[Hashable, int] = {}  # held shared keys -> held keys continuing them
-        self._ends: dict[Hashable, int] = {}  # held shared keys -> reservations ending there
+        self._held: dict[int, tuple[Run | None, int, int]] = {}  # id -> (last run, shared, private)
+        self._tree = ChainTree()
 
     @property
     def free(self) -> int:
@@ -74,20 +73,20 @@ class BlockLedger:
     @property
     def shared_blocks(self) -> int:
         """Distinct shared blocks held now."""
-        return len(self._children)
+        return self._tree.size
 
     def __len__(self) -> int:
         return len(self._held)
 
     def holds(self, ticket: Ticket) -> int:
         """Blocks ``ticket`` uses, shared ones included (0 if it holds no reservation)."""
-        shared, private = self._held.get(id(ticket), ((), 0))
-        return len(shared) + private
+        _, shared, private = self._held.get(id(ticket), (None, 0, 0))
+        return shared + private
 
     def need(self, shared: Sequence[Hashable], private: int) -> int:
         """Blocks a reservation of ``shared`` keys (a chain of whole-prefix keys) and
         ``private`` blocks would add now. Pure."""
-        return len(shared) - resident_prefix(shared, self._children.__contains__) + private  # type: ignore[arg-type]
+        return len(shared) - self._tree.match(shared)[0] + private
 
     def can_reserve(self, blocks: int) -> bool:
         """Whether ``blocks`` more would fit. Pure."""
@@ -105,53 +104,47 @@ class BlockLedger:
             raise ValueError(f"{ticket.request_id} already holds {self.holds(ticket)} blocks")
         if private < 0:
             raise ValueError(f"private blocks must be >= 0, got {private}")
-        keys = tuple(shared)
-        children = self._children
-        held = resident_prefix(keys, children.__contains__)  # type: ignore[arg-type]
-        added = len(keys) - held + private
+        matched = self._tree.match(shared)
+        added = len(shared) - matched[0] + private
         if not self.can_reserve(added):
             raise ValueError(f"cannot reserve {added} blocks with {self.free} free")
-        if held < len(keys):
-            new = keys[held:]
-            if held:
-                children[keys[held - 1]] += 1
-            children.update(dict.fromkeys(new[:-1], 1))
-            children[new[-1]] = 0
-        if keys:
-            self._ends[keys[-1]] = self._ends.get(keys[-1], 0) + 1
-        self._held[id(ticket)] = (keys, private)
+        _, tip = self._tree.add(shared, matched)
+        if tip is not None:
+            tip.ends += 1
+            run: Run | None = tip
+            while run is not None:
+                run.ref += 1
+                run = run.parent
+        self._held[id(ticket)] = (tip, len(shared), private)
         self.reserved += added
         return added
 
     def release(self, ticket: Ticket) -> int:
         """Releases ``ticket``'s reservation; returns how many blocks came free (0 if it held
         none; shared blocks other tickets still hold stay reserved)."""
-        keys, private = self._held.pop(id(ticket), ((), 0))
+        tip, _, private = self._held.pop(id(ticket), (None, 0, 0))
         freed = private
-        if keys:
-            ends, children = self._ends, self._children
-            tip = keys[-1]
-            left = ends[tip] - 1
-            if left:
-                ends[tip] = left
-            else:
-                del ends[tip]
-            i = len(keys) - 1
-            while i >= 0:
-                key = keys[i]
-                if children[key] or key in ends:
-                    break
-                del children[key]
-                freed += 1
-                i -= 1
-                if i >= 0:
-                    children[keys[i]] -= 1
+        if tip is not None:
+            tree = self._tree
+            tip.ends -= 1
+            survivor = None
+            run: Run | None = tip
+            while run is not None:
+                run.ref -= 1
+                parent = run.parent
+                if run.ref == 0:  # no reservation passes through: nor through its kids
+                    freed += tree.remove(run)
+                elif survivor is None:
+                    survivor = run
+                run = parent
+            if survivor is not None:  # it lost a kid or a chain end: keep the tree compact
+                tree.merge(survivor)
         self.reserved -= freed
         return freed
 
     def __repr__(self) -> str:
         return (f"BlockLedger(reserved={self.reserved}, free={self.free}, tickets={len(self._held)}, "
-                f"shared={len(self._children)})")
+                f"shared={self._tree.size})")
 
 
 class DrainRate:
@@ -251,12 +244,15 @@ class Admission:
             return "kv_free_low"
         return None
 
-    def reserve(self, ticket: Ticket) -> int:
+    def reserve(self, ticket: Ticket, shared: Sequence[Hashable] | None = None,
+                private: int | None = None) -> int:
         """Reserves a dispatched ticket's blocks (see :meth:`BlockLedger.reserve`); returns the
-        blocks added."""
+        blocks added. ``shared`` and ``private`` are :meth:`split`'s, if already computed."""
+        if shared is None or private is None:
+            shared, private = self.split(ticket)
         if len(self.ledger) == 0:
             self.busy_since = self.clock.now()
-        return self.ledger.reserve(ticket, *self.split(ticket))
+        return self.ledger.reserve(ticket, shared, private)
 
     def fits(self, blocks: int) -> bool:
         """Whether ``blocks`` more can be dispatched now."""

@@ -276,7 +276,7 @@ class Gateway:
         ``timeout`` seconds (forever when ``None``) for running ones, then aborts what is left.
         """
         self._closing = True
-        for ticket in list(self._scheduler.by_age):
+        for ticket in self._scheduler.waiting():
             self._scheduler.finish(ticket)
             if ticket.granted is not None and not ticket.granted.done():
                 ticket.granted.set_exception(ShuttingDown("gateway is shutting down"))
@@ -415,7 +415,6 @@ class Gateway:
                 await throttle.acquire()
                 self._check_open()
             self._check_load(ticket)
-            ticket.granted = asyncio.get_running_loop().create_future()
             self._scheduler.enqueue(ticket)
         except (Rejected, ShuttingDown, EngineDead) as e:
             self._stats.refuse(e.outcome, getattr(e, "reason", None))
@@ -445,7 +444,10 @@ class Gateway:
         try:
             if not admitted:
                 self._schedule_pump()
-                await self._wait_for_grant(ticket)
+                await asyncio.sleep(0)  # the pump runs first: a burst is ordered as one
+                if ticket.state is not TicketState.RUNNING:
+                    ticket.granted = asyncio.get_running_loop().create_future()
+                    await self._wait_for_grant(ticket)
             if self._dead is not None:
                 raise EngineDead("the engine has died") from self._dead.__cause__
             dispatched = True

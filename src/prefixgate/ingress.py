@@ -46,9 +46,12 @@ Encode = Callable[[str, bool], Sequence[int]]
 """``encode(text, add_special_tokens) -> token ids``."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class IngressRequest:
     """A validated request, not yet tokenized. Exactly one of ``text`` and ``token_ids`` is set.
+
+    Treated as immutable, but not frozen: a frozen dataclass sets each of these fields through
+    ``object.__setattr__``, which costs microseconds per request on the event loop.
 
     Attributes:
         request_id: The engine request id.
@@ -226,7 +229,7 @@ class Ingress:
         """Whether ``encode`` calls a Hugging Face fast tokenizer's Rust core directly."""
         self.encode: Encode = fast or _plain_encoder(engine.tokenizer)
         self.chains = ChainCache(self.block_size)
-        self._roots: dict[tuple[str, str | None, str | None], BlockHash] = {}
+        self._roots: dict[tuple[str, str | None, str | None], tuple[Namespace, BlockHash]] = {}
         self._salts: dict[str, str] = {}
         self._interned: OrderedDict[BlockHash, tuple[BlockHash, ...]] = OrderedDict()
 
@@ -255,14 +258,14 @@ class Ingress:
         lora_name = getattr(lora_request, "lora_name", None) if lora_request is not None else None
         isolated = tenant if self.config.isolate_tenants else None
         root_key = (self.model, lora_name, isolated)
-        root = self._roots.get(root_key)
-        if root is None:
+        found = self._roots.get(root_key)
+        if found is None:
             namespace = Namespace(*root_key)
-            root = namespace.root(self.config.key_seed)
+            found = (namespace, namespace.root(self.config.key_seed))
             if len(self._roots) >= 4096:  # bounded: tenants come and go
                 self._roots.clear()
-            self._roots[root_key] = root
-        namespace = Namespace(*root_key)
+            self._roots[root_key] = found
+        namespace, root = found
         salt = self._salt(isolated) if isolated is not None else None
         fields = dict(request_id=request_id, tenant=tenant, namespace=namespace, root=root,
                       cache_salt=salt, sampling_params=sampling_params, check=check,

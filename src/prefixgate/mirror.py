@@ -11,26 +11,28 @@ estimate, since the engine's LRU also keeps blocks of running requests pinned.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Sequence
 
-from .keys import BlockHash, resident_prefix
+from .chains import ChainTree, Run
+from .keys import BlockHash
 
 __all__ = ["PrefixMirror"]
 
 
 class PrefixMirror:
-    """An LRU set of block keys, capped at ``capacity`` entries (the engine's block count).
+    """An LRU set of block keys, capped at ``capacity`` keys (the engine's block count).
 
-    Keys are whole-prefix keys, so the resident set is a forest of chains. Inserting a chain
-    marks it most recently used; as in vLLM, which frees a finished request's blocks tail first,
-    a chain's head is never older than its tail, so the least recently used block is always a
-    leaf. The mirror therefore keeps one recency stamp per chain end (and, as leaves go, passes
-    it to their parent) and evicts the stalest leaf: the same order as a per-block LRU, for the
-    cost of the keys a chain adds rather than of every key it touches. Matching is a binary
-    search.
+    Keys are whole-prefix keys, kept in a radix tree of chains (:class:`~prefixgate.chains.ChainTree`).
+    Inserting a chain marks it most recently used; as in vLLM, which frees a finished request's
+    blocks tail first, a chain's head is never older than its tail, so the least recently used
+    block is always at the end of a leaf run. The mirror stamps the run each chain ends in and
+    evicts from the stalest leaf run, tail first (a leaf's stamp passes to its parent when it
+    goes): the order of a per-block LRU, for a few steps per chain instead of one per block.
+    Matching is a walk with a binary search per run.
 
-    Invariant: ``len(self) <= capacity``; every resident key's chain prefix is resident; the
-    least recently inserted chain end is evicted first, tail before head.
+    Invariant: ``len(self) <= capacity``; every resident key's chain prefix is resident; blocks
+    leave in least-recently-used order, a chain's tail before its head.
 
     Args:
         capacity: The most keys held; the engine's KV capacity in blocks.
@@ -43,83 +45,75 @@ class PrefixMirror:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._children: dict[BlockHash, int] = {}  # resident key -> resident keys continuing it
-        self._parent: dict[BlockHash, BlockHash | None] = {}
-        self._stamp: dict[BlockHash, int] = {}  # last use of chains ending at (or below) a key
-        self._leaves: list[tuple[int, BlockHash]] = []  # heap of (stamp, leaf); stale entries skipped
+        self._tree = ChainTree()
+        self._leaves: list[tuple[int, int, Run]] = []  # (stamp, seq, leaf run); stale ones skipped
+        self._seq = itertools.count()
         self._now = 0
+        self._rebuild_at = 4096
         self.evictions = 0
 
     def __len__(self) -> int:
-        return len(self._children)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._children
+        return self._tree.size
 
     def match(self, hashes: Sequence[BlockHash], limit: int | None = None) -> int:
         """Counts the leading ``hashes`` that are resident, up to ``limit`` blocks. Pure."""
-        return resident_prefix(hashes, self._children.__contains__, limit)
+        return self._tree.match(hashes, limit)[0]
 
     def insert(self, hashes: Sequence[BlockHash]) -> None:
         """Marks the chain ``hashes`` resident and most recently used, evicting the least
         recently used blocks beyond capacity (a chain's tail before its head)."""
-        n = len(hashes)
-        if n == 0:
+        _, tip = self._tree.add(hashes)
+        if tip is None:
             return
-        children = self._children
-        held = resident_prefix(hashes, children.__contains__)
-        if held < n:
-            new = tuple(hashes[held:])
-            parent = hashes[held - 1] if held else None
-            if parent is not None:
-                children[parent] += 1
-            children.update(dict.fromkeys(new[:-1], 1))
-            children[new[-1]] = 0
-            self._parent.update(zip(new, (parent, *new[:-1]), strict=True))
         self._now += 1
-        tip = hashes[-1]
-        self._stamp[tip] = self._now
-        if not children[tip]:
-            heapq.heappush(self._leaves, (self._now, tip))
-        if len(children) > self.capacity:
+        tip.stamp = self._now
+        if not tip.kids:
+            self._push(tip)
+        if self._tree.size > self.capacity:
             self._evict()
-        elif len(self._leaves) > 2 * len(children) + 64:
+
+    def _push(self, run: Run) -> None:
+        heapq.heappush(self._leaves, (run.stamp, next(self._seq), run))
+        if len(self._leaves) > self._rebuild_at:
             self._rebuild()
 
     def _evict(self) -> None:
-        children, stamps, parents, leaves = self._children, self._stamp, self._parent, self._leaves
-        while len(children) > self.capacity:
-            if not leaves:  # pragma: no cover - every resident chain has a leaf on the heap
-                self._rebuild()
-            stamp, key = heapq.heappop(leaves)
-            if children.get(key) != 0 or stamps.get(key, 0) != stamp:
-                continue  # stale: the key left, gained a child or was used again
-            del children[key]
-            del stamps[key]
-            parent = parents.pop(key)
-            self.evictions += 1
+        tree, leaves = self._tree, self._leaves
+        while tree.size > self.capacity and leaves:
+            stamp, _, run = heapq.heappop(leaves)
+            if not run.alive or run.kids or run.stamp != stamp:
+                continue  # stale: it went, grew a kid or was used again
+            excess = tree.size - self.capacity
+            if excess < len(run.keys):
+                self.evictions += tree.trim(run, len(run.keys) - excess)
+                self._push(run)
+                return
+            parent = run.parent
+            self.evictions += tree.remove(run)
             if parent is not None:
-                children[parent] -= 1
-                if stamps.get(parent, 0) < stamp:
-                    stamps[parent] = stamp
-                if not children[parent]:
-                    heapq.heappush(leaves, (stamps[parent], parent))
+                parent.stamp = max(parent.stamp, stamp)
+                if not parent.kids:
+                    self._push(parent)
 
     def _rebuild(self) -> None:
         """Drops stale heap entries (they pile up as chains are used again and again)."""
-        stamps = self._stamp
-        self._leaves = [(stamps.get(k, 0), k) for k, n in self._children.items() if not n]
-        for stamp, key in self._leaves:
-            stamps.setdefault(key, stamp)
-        heapq.heapify(self._leaves)
+        leaves: list[tuple[int, int, Run]] = []
+        stack = list(self._tree.roots.values())
+        while stack:
+            run = stack.pop()
+            if run.kids:
+                stack.extend(run.kids.values())
+            else:
+                leaves.append((run.stamp, next(self._seq), run))
+        heapq.heapify(leaves)
+        self._leaves = leaves
+        self._rebuild_at = max(4096, 2 * len(leaves))
 
     def clear(self) -> None:
         """Forgets everything (the engine's cache was reset)."""
-        self._children.clear()
-        self._parent.clear()
-        self._stamp.clear()
+        self._tree.clear()
         self._leaves.clear()
 
     def __repr__(self) -> str:
-        return (f"PrefixMirror(size={len(self._children)}, capacity={self.capacity}, "
+        return (f"PrefixMirror(size={self._tree.size}, capacity={self.capacity}, "
                 f"evictions={self.evictions})")

@@ -94,16 +94,20 @@ ORDERING_POLICIES: dict[str, Callable[[], OrderingPolicy]] = {
 
 
 class WaitingQueue:
-    """One tenant's waiting tickets, sorted by the policy's key.
+    """One tenant's waiting tickets, sorted by the policy's key, and in arrival order.
 
-    Invariant: each ticket appears at most once; its key never changes while it waits.
+    The policy's key is computed once, at :meth:`add`, and kept on the ticket. The arrival
+    order is a deque from which dispatched tickets are dropped lazily (when they reach its head
+    or it is iterated), so adding and removing cost one sorted insert and delete each.
+
+    Invariant: each ticket appears at most once in the sorted list; its key never changes while
+    it waits; every waiting ticket is in the arrival deque, in the order it was added.
     """
 
     def __init__(self, policy: OrderingPolicy) -> None:
         self.policy = policy
-        self._keys: dict[int, Any] = {}
-        self._items: SortedKeyList = SortedKeyList(key=lambda t: self._keys[id(t)])
-        self._by_age: SortedKeyList = SortedKeyList(key=lambda t: t.seq)
+        self._items: SortedKeyList = SortedKeyList(key=_queue_key)
+        self._arrivals: deque[Ticket] = deque()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -112,29 +116,33 @@ class WaitingQueue:
         return iter(self._items)
 
     def add(self, ticket: Ticket) -> None:
-        self._keys[id(ticket)] = self.policy.sort_key(ticket)
+        ticket.queue_key = self.policy.sort_key(ticket)
         self._items.add(ticket)
-        self._by_age.add(ticket)
+        self._arrivals.append(ticket)
 
-    def remove(self, ticket: Ticket) -> bool:
-        """Removes ``ticket`` if it waits here; returns whether it did."""
-        if id(ticket) not in self._keys:
-            return False
+    def remove(self, ticket: Ticket) -> None:
+        """Removes ``ticket``, which waits here."""
         self._items.remove(ticket)
-        self._by_age.remove(ticket)
-        del self._keys[id(ticket)]
-        return True
+        arrivals = self._arrivals
+        if arrivals and arrivals[0] is ticket:
+            arrivals.popleft()
+        elif len(arrivals) > 2 * len(self._items) + 16:  # drop what left out of order
+            self._arrivals = deque(t for t in arrivals if t.state is TicketState.QUEUED
+                                   and t is not ticket)
 
     def first(self) -> Ticket:
         return self._items[0]
 
     def oldest(self) -> Ticket:
         """The ticket that has waited longest."""
-        return self._by_age[0]
+        arrivals = self._arrivals
+        while arrivals[0].state is not TicketState.QUEUED:
+            arrivals.popleft()
+        return arrivals[0]
 
     def by_age(self) -> Iterator[Ticket]:
         """Tickets, longest waiting first."""
-        return iter(self._by_age)
+        return (t for t in self._arrivals if t.state is TicketState.QUEUED)
 
     def after(self, key: Any) -> Ticket:
         """The first ticket whose key is greater than ``key``, wrapping to the first."""
@@ -143,6 +151,10 @@ class WaitingQueue:
 
     def __repr__(self) -> str:
         return f"WaitingQueue({type(self.policy).__name__}, len={len(self)})"
+
+
+def _queue_key(ticket: Ticket) -> Any:
+    return ticket.queue_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +212,8 @@ class Scheduler:
         self.default_limits = default_limits
         self.share_base = share_base
         self.queues: dict[str | None, WaitingQueue] = {}
-        self.by_age: SortedKeyList = SortedKeyList(key=lambda t: t.seq)
+        self._spare: list[WaitingQueue] = []  # emptied queues, reused (creating one costs µs)
+        self._waiting = 0
         self.running: set[Ticket] = set()
         self.running_by_tenant: Counter[str | None] = Counter()
         self._served: dict[str | None, int] = {}
@@ -217,7 +230,11 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.by_age)
+        return self._waiting
+
+    def waiting(self) -> list[Ticket]:
+        """Every waiting ticket, oldest first within each tenant."""
+        return [t for queue in self.queues.values() for t in queue.by_age()]
 
     def enqueue(self, ticket: Ticket) -> None:
         """Queues ``ticket``.
@@ -226,16 +243,17 @@ class Scheduler:
             QueueFull: If ``max_queue_len`` tickets already wait (``retry_after`` from the
                 recent drain rate).
         """
-        if len(self.by_age) >= self.max_queue_len:
+        if self._waiting >= self.max_queue_len:
             wait = self.admission.estimated_wait(0)
             raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)",
                             retry_after=wait if wait is not None else 1.0, reason="queue_full")
         queue = self.queues.get(ticket.tenant)
         if queue is None:
-            queue = self.queues[ticket.tenant] = WaitingQueue(self.policy)
-        queue.add(ticket)
-        self.by_age.add(ticket)
+            queue = self._spare.pop() if self._spare else WaitingQueue(self.policy)
+            self.queues[ticket.tenant] = queue
         ticket.state = TicketState.QUEUED
+        queue.add(ticket)
+        self._waiting += 1
 
     def finish(self, ticket: Ticket) -> None:
         """Forgets ``ticket`` wherever it is and releases its blocks. Idempotent."""
@@ -254,9 +272,12 @@ class Scheduler:
     def _dequeue(self, ticket: Ticket) -> None:
         queue = self.queues[ticket.tenant]
         queue.remove(ticket)
-        self.by_age.remove(ticket)
+        self._waiting -= 1
         if not queue:
             del self.queues[ticket.tenant]
+            queue._arrivals.clear()
+            if len(self._spare) < 16:
+                self._spare.append(queue)
 
     def median_wait(self) -> float | None:
         """Median queue wait of the recently dispatched tickets, or ``None`` before any."""
@@ -341,7 +362,7 @@ class Scheduler:
 
     def choose(self) -> Ticket | None:
         """The ticket that should go next, or ``None`` when nothing waits. Pure."""
-        if not self.by_age:
+        if not self._waiting:
             return None
         choice = self._choose(self.clock.now())
         return None if choice is None else choice[0]
@@ -352,6 +373,9 @@ class Scheduler:
         tenant = self._tenant()
         if tenant is _SHARE_BLOCKED:
             return None
+        queue = self.queues[tenant]
+        if len(queue) == 1:  # no choice to make
+            return queue.first(), False
         rider = self._rider(tenant)
         if rider is not None:
             return rider, False
@@ -366,7 +390,7 @@ class Scheduler:
         out: list[Dispatch] = []
         now = self.clock.now()
         self.blocked = None
-        while self.by_age:
+        while self._waiting:
             if self.max_in_flight is not None and len(self.running) >= self.max_in_flight:
                 self.blocked = "max_in_flight"
                 break
@@ -376,12 +400,13 @@ class Scheduler:
                 break
             ticket, aged = choice
             hit_blocks = self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
-            reason = self.admission.blocked_reason(self.admission.need(ticket))
+            shared, private = self.admission.split(ticket)
+            reason = self.admission.blocked_reason(self.admission.ledger.need(shared, private))
             if reason is not None:
                 self.blocked = reason
                 break
             self._dequeue(ticket)
-            blocks = self.admission.reserve(ticket)
+            blocks = self.admission.reserve(ticket, shared, private)
             self.mirror.insert(ticket.block_hashes)
             ticket.state = TicketState.RUNNING
             ticket.predicted_hit_tokens = hit_blocks * self.admission.block_size
@@ -392,7 +417,7 @@ class Scheduler:
             self.running_by_tenant[ticket.tenant] += 1
             self._serial += 1
             self._served[ticket.tenant] = self._serial
-            self._last_key[ticket.tenant] = self.policy.sort_key(ticket)
+            self._last_key[ticket.tenant] = ticket.queue_key
             self._last_hashes[ticket.tenant] = ticket.block_hashes
             self._note_wait(now - ticket.arrival)
             self.newest_dispatched_arrival = max(self.newest_dispatched_arrival, ticket.arrival)
@@ -401,5 +426,5 @@ class Scheduler:
         return out
 
     def __repr__(self) -> str:
-        return (f"Scheduler({type(self.policy).__name__}, waiting={len(self.by_age)}, "
+        return (f"Scheduler({type(self.policy).__name__}, waiting={self._waiting}, "
                 f"running={len(self.running)}, tenants={len(self.queues)}, blocked={self.blocked})")

@@ -17,7 +17,7 @@ from .engine import EngineRequest, KvStats, SamplingCheck
 from .errors import EngineDead, EngineError, InvalidRequest
 
 __all__ = ["ByteTokenizer", "FakeClock", "FakeCompletion", "FakeEngine", "FakeOutput",
-           "FakeSamplingParams"]
+           "FakeSamplingParams", "NullEngine"]
 
 
 class ByteTokenizer:
@@ -174,3 +174,47 @@ class FakeEngine:
         if request_id in self.running:
             self.running.discard(request_id)
         self.aborted.append(request_id)
+
+
+@dataclass(slots=True)
+class NullEngine:
+    """An :class:`~prefixgate.engine.Engine` that does nothing: each request gets one finished
+    output (one token, no cache hits) at once. For measuring the gateway's own cost.
+
+    Attributes:
+        started: How many requests it was given.
+        on_generate: Called with each request as the engine receives it (instrumentation).
+        on_output: Called just before the output is yielded (instrumentation).
+    """
+
+    tokenizer: Any = field(default_factory=ByteTokenizer)
+    block_size: int = 16
+    num_blocks: int = 1 << 20
+    max_model_len: int = 1 << 20
+    max_num_seqs: int | None = 256
+    model_name: str = "null"
+    started: int = 0
+    on_generate: Any = None
+    on_output: Any = None
+
+    def default_sampling_params(self) -> FakeSamplingParams:
+        return FakeSamplingParams(max_tokens=1)
+
+    def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
+        max_tokens = getattr(sampling_params, "max_tokens", None)
+        return SamplingCheck(max_tokens=max_tokens)
+
+    def kv_stats(self) -> KvStats | None:
+        return None
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[FakeOutput]:
+        self.started += 1
+        if self.on_generate is not None:
+            self.on_generate(request)
+        out = FakeOutput(request.request_id, (), (FakeCompletion((7,), finish_reason="length"),), True)
+        if self.on_output is not None:
+            self.on_output(out)
+        yield out
+
+    async def abort(self, request_id: str) -> None:
+        return None

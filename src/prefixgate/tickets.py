@@ -76,6 +76,7 @@ class Ticket:
     cached_tokens: int | None = None
     output_token_ids: tuple[int, ...] = ()
     granted: asyncio.Future[None] | None = field(default=None, repr=False)
+    queue_key: Any = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,427 @@
+"""M1: what the gateway itself costs per request, through an engine that does nothing.
+
+Usage::
+
+    python -m benchmarks.overhead --json benchmarks/results/M1-overhead.json \\
+        --png benchmarks/results/M1-overhead.png
+
+Method (issue 9). A :class:`~prefixgate.testing.NullEngine` (block size 16) answers every request
+with one finished output at once; the tokenizer is the tiny Llama's (a Hugging Face fast
+tokenizer, so ingress takes the same path as on vLLM: worker processes by default). Prompts of
+1k, 2k, 8k and 32k tokens: 8 shared documents of mixed prose, code and JSON, each request one of
+them with 3 random whitespace edits (W3's noise) plus a unique question, as text and as token
+ids (the text's canonical tokens).
+
+* **Cost** (``gateway_us``): requests one at a time, the main process and every ingress worker
+  pinned to one core; CPU time over the main process's threads and the workers' processes
+  (``/proc/<pid>/schedstat``, nanoseconds) around each request, minus what the tokenizer alone
+  costs on that prompt's canonical text (measured on its own, median of 3). Whatever a pool does,
+  its cost is counted.
+* **Stages** (``stages``, µs p50): the same requests with ingress inline and each stage timed
+  (wall clock, one core): canonicalize, tokenize, keys (pack + chain + intern), enqueue+schedule
+  (enqueue and the pump), dispatch (the pump's grant to the engine's ``generate`` call: the task
+  switch included), stream (the engine's yield to the consumer), completion, and other (the
+  rest: ``generate()``'s checks, the ticket, the client's loop).
+* **Throughput** (``max_req_per_s_pretokenized``): 256 clients in a closed loop sending token-id
+  prompts of each size for a few seconds on one core; completions per second.
+* **A huge prompt** (``huge_prompt``): 100 ordinary 2k-token text requests sent at once, with and
+  without a 2M-character prompt sent just before them; their p99 time to first output, median of
+  3 repeats. Not pinned: the point is that the huge prompt's work happens elsewhere (a
+  low-priority worker) and the loop stays responsive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "run_overhead"]
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_LLAMA = ROOT / "tests" / "fixtures" / "tiny-llama"
+SIZES = (1024, 2048, 8192, 32768)
+STAGES = ("canonicalize", "tokenize", "keys", "enqueue+schedule", "dispatch", "stream", "completion",
+          "other")
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def _cpu_ns(pids: Sequence[int]) -> int:
+    """CPU time of this process (all threads) plus that of ``pids`` (worker processes)."""
+    total = time.process_time_ns()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/schedstat") as f:
+                total += int(f.read().split()[0])
+    return total
+
+
+def _pin(core: int | None) -> None:
+    if core is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {core})
+
+
+def make_prompts(tokenizer: Any, size: int, n: int, seed: int = 0, groups: int = 8) -> list[str]:
+    """``n`` prompts of about ``size`` tokens: ``groups`` shared documents with whitespace noise."""
+    from .text import TextMaker, apply_whitespace_edits
+
+    rng = random.Random(seed * 1_000_003 + size)
+    maker = TextMaker(rng, tokenizer)
+    docs = [maker.text(size - 32, "mixed") for _ in range(groups)]
+    return [apply_whitespace_edits(docs[i % groups], rng, 3) + "\n\n" + maker.question(32)
+            for i in range(n)]
+
+
+class _StageTimer:
+    """Wraps the gateway's stage functions (inline ingress) and times them per request."""
+
+    def __init__(self, gateway: Any, engine: Any) -> None:
+        import prefixgate.ingress as ingress_module
+
+        self.samples: dict[str, float] = {}
+        self.pump_end = 0.0
+        self.yielded = 0.0
+        self._module = ingress_module
+        self._saved = (ingress_module.canonicalize_text, ingress_module.pack_tokens)
+        ingress = gateway._ingress
+        ingress_module.canonicalize_text = self._timed(ingress_module.canonicalize_text, "canonicalize")
+        ingress_module.pack_tokens = self._timed(ingress_module.pack_tokens, "keys")
+        ingress.encode = self._timed(ingress.encode, "tokenize")
+        ingress.chains.chain = self._timed(ingress.chains.chain, "keys")  # type: ignore[method-assign]
+        ingress._intern = self._timed(ingress._intern, "keys")  # type: ignore[method-assign]
+        scheduler = gateway._scheduler
+        scheduler.enqueue = self._timed(scheduler.enqueue, "enqueue+schedule")  # type: ignore[method-assign]
+        pump = self._timed(gateway._pump_now, "enqueue+schedule")
+
+        def pump_now() -> None:
+            pump()
+            self.pump_end = time.perf_counter()
+
+        gateway._pump_now = pump_now
+        gateway._on_complete = self._timed(gateway._on_complete, "completion")
+        engine.on_generate = lambda request: self._add("dispatch", time.perf_counter() - self.pump_end)
+        engine.on_output = lambda out: setattr(self, "yielded", time.perf_counter())
+
+    def _add(self, stage: str, seconds: float) -> None:
+        self.samples[stage] = self.samples.get(stage, 0.0) + seconds
+
+    def _timed(self, fn: Callable[..., Any], stage: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(stage, time.perf_counter() - t0)
+
+        return timed
+
+    def restore(self) -> None:
+        self._module.canonicalize_text, self._module.pack_tokens = self._saved
+
+
+async def _one(gateway: Any, prompt: Any, params: Any, timer: _StageTimer | None = None) -> None:
+    async for _ in gateway.generate(prompt, params):
+        if timer is not None:
+            timer._add("stream", time.perf_counter() - timer.yielded)
+
+
+def _engine(tokenizer: Any) -> Any:
+    from prefixgate.testing import NullEngine
+
+    return NullEngine(tokenizer=tokenizer, block_size=16)
+
+
+async def _cost(tokenizer: Any, prompts: Sequence[Any], ingress: str, tokenize_ns: Sequence[int] | None,
+                warmup: int) -> dict[str, Any]:
+    """Sequential requests; CPU per request over every process, minus the tokenizer's."""
+    from prefixgate import Gateway, GatewayConfig
+    from prefixgate.testing import FakeSamplingParams
+
+    engine = _engine(tokenizer)
+    params = FakeSamplingParams(max_tokens=1)
+    async with Gateway(engine, GatewayConfig(ingress=ingress, ingress_workers=1)) as gw:
+        pool = gw._pool
+        pids = [w.process.pid for w in getattr(pool, "_workers", ())]
+        for prompt in prompts[:warmup]:
+            await _one(gw, prompt, params)
+        costs = []
+        gc.collect()
+        for i, prompt in enumerate(prompts):
+            c0 = _cpu_ns(pids)
+            await _one(gw, prompt, params)
+            c1 = _cpu_ns(pids)
+            costs.append((c1 - c0 - (tokenize_ns[i] if tokenize_ns else 0)) / 1000)
+        mode = type(pool).__name__ if pool is not None else "inline"
+    return {"mode": mode, "us_p50": _pct(costs, 0.5), "us_p99": _pct(costs, 0.99),
+            "us_mean": statistics.fmean(costs)}
+
+
+async def _stages(tokenizer: Any, prompts: Sequence[Any]) -> dict[str, float | None]:
+    from prefixgate import Gateway, GatewayConfig
+    from prefixgate.testing import FakeSamplingParams
+
+    engine = _engine(tokenizer)
+    params = FakeSamplingParams(max_tokens=1)
+    per_stage: dict[str, list[float]] = {s: [] for s in STAGES}
+    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw:
+        for prompt in prompts[:5]:
+            await _one(gw, prompt, params)
+        timer = _StageTimer(gw, engine)
+        try:
+            for prompt in prompts:
+                timer.samples = {}
+                t0 = time.perf_counter()
+                await _one(gw, prompt, params, timer)
+                total = time.perf_counter() - t0
+                for stage in STAGES[:-1]:
+                    per_stage[stage].append(timer.samples.get(stage, 0.0) * 1e6)
+                per_stage["other"].append((total - sum(timer.samples.values())) * 1e6)
+        finally:
+            timer.restore()
+    return {s: _pct(v, 0.5) for s, v in per_stage.items()}
+
+
+async def _throughput(tokenizer: Any, prompts: Sequence[Any], seconds: float,
+                      clients: int = 256) -> float:
+    from prefixgate import Gateway, GatewayConfig
+    from prefixgate.testing import FakeSamplingParams
+
+    engine = _engine(tokenizer)
+    params = FakeSamplingParams(max_tokens=1)
+    done = 0
+    async with Gateway(engine, GatewayConfig(max_in_flight=clients)) as gw:
+        stop = time.perf_counter() + seconds
+        feed: Iterator[Any] = iter(prompts * (1 + int(seconds * 100_000 / len(prompts))))
+
+        async def client() -> None:
+            nonlocal done
+            for prompt in feed:
+                if time.perf_counter() > stop:
+                    return
+                await _one(gw, prompt, params)
+                done += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        elapsed = time.perf_counter() - t0
+    return done / elapsed
+
+
+async def _huge(tokenizer: Any, normal: Sequence[str], huge_chars: int, repeats: int) -> dict[str, Any]:
+    from prefixgate import Gateway, PrefixgateError
+    from prefixgate.testing import FakeSamplingParams
+
+    params = FakeSamplingParams(max_tokens=1)
+    huge = ("All work and no play makes a dull prompt. " * (huge_chars // 42 + 1))[:huge_chars]
+
+    async def run(with_huge: bool) -> float:
+        engine = _engine(tokenizer)
+        async with Gateway(engine) as gw:
+            for prompt in normal[:8]:  # warm the workers
+                await _one(gw, prompt, params)
+            ttft: list[float] = []
+
+            async def timed(prompt: str) -> None:
+                t0 = time.perf_counter()
+                async for _ in gw.generate(prompt, params):
+                    ttft.append(time.perf_counter() - t0)
+
+            async def big() -> None:
+                with contextlib.suppress(PrefixgateError):
+                    await _one(gw, huge, params)
+
+            extra = [asyncio.ensure_future(big())] if with_huge else []
+            await asyncio.sleep(0)
+            await asyncio.gather(*(timed(p) for p in normal))
+            p99 = _pct(ttft, 0.99) or 0.0
+            for task in extra:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        return p99
+
+    without, with_ = [], []
+    for _ in range(repeats):
+        without.append(await run(False))
+        with_.append(await run(True))
+    base, loaded = statistics.median(without), statistics.median(with_)
+    return {"huge_chars": huge_chars, "requests": len(normal), "repeats": repeats,
+            "p99_ttft_ms_without": base * 1e3, "p99_ttft_ms_with": loaded * 1e3,
+            "p99_increase_ms": (loaded - base) * 1e3,
+            "repeats_ms": {"without": [x * 1e3 for x in without], "with": [x * 1e3 for x in with_]}}
+
+
+def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | None = None,
+                 core: int | None = 0, throughput_s: float = 3.0, huge_chars: int = 2_000_000,
+                 huge_repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+    """Runs M1 and returns the JSON-ready result (see the module docstring)."""
+    from transformers import AutoTokenizer
+
+    from prefixgate.canonicalize import canonicalize_text
+    from prefixgate.ingress import fast_encoder
+
+    from .harness import code_version
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_LLAMA))
+    encode = fast_encoder(tokenizer)
+    assert encode is not None, "the tiny Llama tokenizer is a Hugging Face fast tokenizer"
+    counts = dict(requests or {1024: 300, 2048: 300, 8192: 120, 32768: 40})
+    out: dict[str, Any] = {"benchmark": "M1", "block_size": 16, "engine": "NullEngine",
+                           "tokenizer": "tests/fixtures/tiny-llama", "cpus": os.cpu_count(),
+                           "pinned_core": core, "code": code_version(), "sizes": {}}
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    _pin(core)
+    try:
+        for size in sizes:
+            n = counts.get(size, 100)
+            texts = make_prompts(tokenizer, size, n + 10, seed)
+            canon = [canonicalize_text(t).value for t in texts]
+            ids = [encode(c, True) for c in canon]
+            tok_ns = []
+            for c in canon:
+                samples = []
+                for _ in range(3):
+                    t0 = time.thread_time_ns()
+                    encode(c, True)
+                    samples.append(time.thread_time_ns() - t0)
+                tok_ns.append(int(statistics.median(samples)))
+            warm = 10
+            text_default = asyncio.run(_cost(tokenizer, texts[warm:], "auto", tok_ns[warm:], warm))
+            text_inline = asyncio.run(_cost(tokenizer, texts[warm:], "inline", tok_ns[warm:], warm))
+            pre = asyncio.run(_cost(tokenizer, ids[warm:], "auto", None, warm))
+            stages = asyncio.run(_stages(tokenizer, texts[warm:]))
+            stages_pre = asyncio.run(_stages(tokenizer, ids[warm:]))
+            rate = asyncio.run(_throughput(tokenizer, ids, throughput_s))
+            entry = {
+                "tokens_mean": statistics.fmean(len(i) for i in ids), "requests": n,
+                "gateway_us_p50": text_default["us_p50"], "gateway_us_p99": text_default["us_p99"],
+                "ingress_mode": text_default["mode"],
+                "tokenize_us_p50": _pct([t / 1000 for t in tok_ns], 0.5),
+                "stages": stages,
+                "inline": {"gateway_us_p50": text_inline["us_p50"], "gateway_us_p99": text_inline["us_p99"]},
+                "pretokenized": {"gateway_us_p50": pre["us_p50"], "gateway_us_p99": pre["us_p99"],
+                                 "stages": stages_pre, "max_req_per_s": rate},
+            }
+            out["sizes"][str(size)] = entry
+            print(_row(size, entry), flush=True)
+        if "2048" in out["sizes"]:
+            out["max_req_per_s_pretokenized"] = out["sizes"]["2048"]["pretokenized"]["max_req_per_s"]
+    finally:
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+    if huge_repeats:
+        normal = make_prompts(tokenizer, 2048, 100, seed + 1)
+        out["huge_prompt"] = asyncio.run(_huge(tokenizer, normal, huge_chars, huge_repeats))
+    return out
+
+
+def _row(size: int, e: Mapping[str, Any]) -> str:
+    st = e["stages"]
+    return (f"{size:>6} tok  gateway p50 {e['gateway_us_p50']:7.1f} µs  p99 {e['gateway_us_p99']:7.1f}  "
+            f"({e['ingress_mode']}; inline {e['inline']['gateway_us_p50']:.1f})  "
+            f"tokenize {e['tokenize_us_p50']:8.1f}  pre-tokenized {e['pretokenized']['gateway_us_p50']:6.1f} µs, "
+            f"{e['pretokenized']['max_req_per_s']:7.0f} req/s  | "
+            + " ".join(f"{k} {v:.1f}" for k, v in st.items() if v is not None))
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+    """The result as a text table."""
+    lines = [f"M1 overhead: NullEngine, block 16, tiny-Llama tokenizer, {result['cpus']} CPUs, "
+             f"pinned to core {result['pinned_core']}; µs per request (CPU over all processes, "
+             "minus the tokenizer's)"]
+    head = (f"{'tokens':>7}{'mode':>20}{'gw p50':>9}{'gw p99':>9}{'inline':>9}{'tokenize':>10}"
+            f"{'pre p50':>9}{'pre p99':>9}{'req/s pre':>11}")
+    lines += [head, "-" * len(head)]
+    for size, e in result["sizes"].items():
+        pre = e["pretokenized"]
+        lines.append(f"{size:>7}{e['ingress_mode']:>20}{e['gateway_us_p50']:9.1f}{e['gateway_us_p99']:9.1f}"
+                     f"{e['inline']['gateway_us_p50']:9.1f}{e['tokenize_us_p50']:10.1f}"
+                     f"{pre['gateway_us_p50']:9.1f}{pre['gateway_us_p99']:9.1f}{pre['max_req_per_s']:11.0f}")
+    lines.append("stages (inline, text; µs p50): " + ", ".join(STAGES))
+    for size, e in result["sizes"].items():
+        lines.append(f"{size:>7}  " + "  ".join(f"{e['stages'][s] or 0:7.1f}" for s in STAGES)
+                     + "   | pre-tokenized: "
+                     + " ".join(f"{e['pretokenized']['stages'][s] or 0:.1f}" for s in STAGES))
+    huge = result.get("huge_prompt")
+    if huge:
+        lines.append(f"huge prompt ({huge['huge_chars']:,} chars) among {huge['requests']} requests: p99 "
+                     f"time to first output {huge['p99_ttft_ms_without']:.1f} ms -> "
+                     f"{huge['p99_ttft_ms_with']:.1f} ms (+{huge['p99_increase_ms']:.1f} ms), "
+                     f"median of {huge['repeats']}")
+    return "\n".join(lines)
+
+
+def plot(result: Mapping[str, Any], path: Path) -> None:
+    """Stacked stage costs per size (inline), with the pooled total beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(result["sizes"])
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bottom = [0.0] * len(sizes)
+    for stage in STAGES:
+        if stage == "tokenize":
+            continue
+        values = [result["sizes"][s]["stages"][stage] or 0.0 for s in sizes]
+        ax.bar(sizes, values, bottom=bottom, label=stage)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.plot(sizes, [result["sizes"][s]["gateway_us_p50"] for s in sizes], "ko-", label="total (default pool)")
+    ax.set_title("gateway cost per request, tokenization excluded (µs)")
+    ax.set_xlabel("prompt tokens")
+    ax.legend(fontsize=7)
+    bx.bar(sizes, [result["sizes"][s]["pretokenized"]["max_req_per_s"] for s in sizes], color="#1e88e5")
+    bx.set_title("max req/s, pre-tokenized, one core")
+    bx.set_xlabel("prompt tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.split("\n")[0])
+    p.add_argument("--json", type=Path)
+    p.add_argument("--png", type=Path)
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    p.add_argument("--requests", type=int, help="requests per size (default 300/300/120/40)")
+    p.add_argument("--core", type=int, default=0, help="CPU core to pin to (-1: no pinning)")
+    p.add_argument("--throughput-seconds", type=float, default=3.0)
+    p.add_argument("--huge-chars", type=int, default=2_000_000)
+    p.add_argument("--huge-repeats", type=int, default=3, help="0 skips the huge-prompt check")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    requests = {s: args.requests for s in sizes} if args.requests else None
+    result = run_overhead(sizes=sizes, requests=requests, core=None if args.core < 0 else args.core,
+                          throughput_s=args.throughput_seconds, huge_chars=args.huge_chars,
+                          huge_repeats=args.huge_repeats)
+    print(format_table(result), flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.png is not None:
+        plot(result, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
