@@ -66,9 +66,8 @@ def _cpu_ns(pids: Sequence[int]) -> int:
     """CPU time of this process (all threads) plus that of ``pids`` (worker processes)."""
     total = time.process_time_ns()
     for pid in pids:
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/schedstat") as f:
-                total += int(f.read().split()[0])
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/schedstat") as f:
+            total += int(f.read().split()[0])
     return total
 
 
@@ -335,7 +334,8 @@ def _row(size: int, e: Mapping[str, Any]) -> str:
     st = e["stages"]
     return (f"{size:>6} tok  gateway p50 {e['gateway_us_p50']:7.1f} µs  p99 {e['gateway_us_p99']:7.1f}  "
             f"({e['ingress_mode']}; inline {e['inline']['gateway_us_p50']:.1f})  "
-            f"tokenize {e['tokenize_us_p50']:8.1f}  pre-tokenized {e['pretokenized']['gateway_us_p50']:6.1f} µs, "
+            f"tokenize {e['tokenize_us_p50']:8.1f}  "
+            f"pre-tokenized {e['pretokenized']['gateway_us_p50']:6.1f} µs, "
             f"{e['pretokenized']['max_req_per_s']:7.0f} req/s  | "
             + " ".join(f"{k} {v:.1f}" for k, v in st.items() if v is not None))
 
