@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable, Sequence
 from .chains import ChainTree, Run
 from .clock import Clock
 from .engine import KvStats
+from .errors import RequestTooLarge
 from .tickets import Ticket
 
 __all__ = ["Admission", "BlockLedger", "DrainRate"]
@@ -184,11 +185,18 @@ class Admission:
     report and the moment the engine last went from idle to busy; with nothing in flight one
     request is always let through.
 
+    Output is reserved for what the engine may really generate: ``max_tokens`` capped at the
+    model's context (``max_model_len`` less the prompt, where vLLM stops a request), or that
+    whole room when a request sets no ``max_tokens`` (unless ``default_output_tokens`` says
+    otherwise: then requests generating more than assumed may be preempted).
+
     Args:
         ledger: The block ledger.
         block_size: The engine's block size.
-        output_reserve: Share of ``max_tokens`` reserved for output (1.0 = all of it).
-        default_output_tokens: Output tokens assumed when a request gives no ``max_tokens``.
+        max_model_len: The engine's context length.
+        output_reserve: Share of the output limit reserved in blocks (1.0 = all of it).
+        default_output_tokens: Output tokens assumed when a request gives no ``max_tokens``;
+            ``None``: up to the model's context.
         watermark_blocks: Blocks always kept free.
         stats_max_age: Seconds after which engine stats count as "full".
         kv_stats: Returns the engine's latest stats.
@@ -196,10 +204,12 @@ class Admission:
     """
 
     def __init__(self, ledger: BlockLedger, *, block_size: int, output_reserve: float,
-                 default_output_tokens: int, watermark_blocks: int, stats_max_age: float,
-                 kv_stats: Callable[[], KvStats | None], clock: Clock) -> None:
+                 default_output_tokens: int | None, watermark_blocks: int, stats_max_age: float,
+                 kv_stats: Callable[[], KvStats | None], clock: Clock,
+                 max_model_len: int | None = None) -> None:
         self.ledger = ledger
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.output_reserve = output_reserve
         self.default_output_tokens = default_output_tokens
         self.watermark_blocks = watermark_blocks
@@ -217,11 +227,31 @@ class Admission:
         the last prompt token, so a prompt's last full block is not reused by an identical
         prompt). Private: the rest of the prompt plus the output reserve, at least one block.
         """
+        n = ticket.num_prompt_tokens
+        room = None if self.max_model_len is None else max(1, self.max_model_len - n)
         out = ticket.max_tokens if ticket.max_tokens is not None else self.default_output_tokens
+        if out is None:
+            out = room if room is not None else 1
+        elif room is not None and out > room:
+            out = room  # vLLM stops a request at the model's context length
         shared = ticket.block_hashes[: ticket.cacheable_blocks]
-        rest = ticket.num_prompt_tokens - len(shared) * self.block_size + out * self.output_reserve
+        rest = n - len(shared) * self.block_size + out * self.output_reserve
         private = math.ceil(rest / self.block_size)
         return shared, max(private, 1)  # the prompt's last token always lands in a private block
+
+    def check_fits_ever(self, ticket: Ticket) -> None:
+        """Refuses a ticket whose blocks can never be reserved, even with nothing else running.
+
+        Raises:
+            RequestTooLarge: naming the blocks it needs and the ledger's capacity.
+        """
+        shared, private = self.split(ticket)
+        blocks = len(shared) + private
+        if blocks > self.ledger.capacity:
+            raise RequestTooLarge(
+                f"{ticket.request_id} needs {blocks} KV blocks ({ticket.num_prompt_tokens} prompt tokens "
+                f"plus its output limit); the gateway can reserve at most {self.ledger.capacity}",
+                blocks=blocks, limit=self.ledger.capacity)
 
     def need(self, ticket: Ticket) -> int:
         """Blocks dispatching ``ticket`` now would add to the ledger: its prompt blocks no

@@ -89,11 +89,18 @@ class GatewayConfig:
         max_in_flight: The most requests handed to the engine at once; ``None`` uses twice
             the engine's ``max_num_seqs`` when it has one (the KV ledger limits it further).
         kv_budget: Share of the engine's KV blocks that in-flight reservations may take.
-        output_reserve: Share of ``max_tokens`` reserved in KV blocks for output. 1.0 means an
-            admitted request can never be preempted for lack of blocks.
-        default_output_tokens: Output tokens reserved when a request sets no ``max_tokens``.
+        output_reserve: Share of the output limit reserved in KV blocks. 1.0 means an admitted
+            request can never be preempted for lack of blocks. The output limit is
+            ``max_tokens`` capped at the model's context (where vLLM stops a request).
+        default_output_tokens: Output tokens reserved when a request sets no ``max_tokens``;
+            ``None`` (the default) reserves what vLLM may generate: up to the model's context.
+            A number is an assumption: a request that generates more may be preempted.
         kv_watermark: Share of the engine's KV blocks always kept free.
         stats_max_age: Engine KV stats older than this many seconds count as "full".
+        stall_timeout: If the engine makes no progress (no output for any request and no
+            scheduler step) for this many seconds while requests are in flight, they end with
+            ``EngineStalled`` and are aborted. ``None`` disables the watchdog (then a hung engine
+            hangs its callers, and ``aclose()`` without a timeout).
         max_queue_wait: If set, a request whose predicted queue wait exceeds this many
             seconds is refused at once with ``Overloaded`` and a ``retry_after``, instead of
             joining a queue it would wait in too long. The prediction is the requests ahead
@@ -124,9 +131,10 @@ class GatewayConfig:
     max_in_flight: int | None = None
     kv_budget: float = 1.0
     output_reserve: float = 1.0
-    default_output_tokens: int = 512
+    default_output_tokens: int | None = None
     kv_watermark: float = 0.01
     stats_max_age: float = 2.0
+    stall_timeout: float | None = 60.0
     max_queue_wait: float | None = None
 
     def __post_init__(self) -> None:
@@ -139,15 +147,16 @@ class GatewayConfig:
         for name in ("ingress_min_chars", "ingress_max_pending", "ingress_bulk_chars"):
             _check(name, getattr(self, name) >= 1, getattr(self, name), ">= 1")
         _check("max_queue_len", self.max_queue_len >= 1, self.max_queue_len, ">= 1")
-        for name in ("max_in_flight", "max_prompt_tokens", "queue_timeout", "max_queue_wait"):
+        for name in ("max_in_flight", "max_prompt_tokens", "queue_timeout", "max_queue_wait",
+                     "stall_timeout"):
             value = getattr(self, name)
             _check(name, value is None or value > 0, value, "positive or None")
         _check("max_wait_factor", self.max_wait_factor >= 1, self.max_wait_factor, ">= 1")
         _check("min_aging_wait", self.min_aging_wait >= 0, self.min_aging_wait, ">= 0")
         _check("kv_budget", 0 < self.kv_budget <= 1, self.kv_budget, "in (0, 1]")
         _check("output_reserve", 0 <= self.output_reserve <= 1, self.output_reserve, "in [0, 1]")
-        _check("default_output_tokens", self.default_output_tokens >= 1, self.default_output_tokens,
-               ">= 1")
+        _check("default_output_tokens", self.default_output_tokens is None or self.default_output_tokens >= 1,
+               self.default_output_tokens, ">= 1 or None")
         _check("kv_watermark", 0 <= self.kv_watermark < 1, self.kv_watermark, "in [0, 1)")
         _check("stats_max_age", self.stats_max_age > 0, self.stats_max_age, "positive")
         if self.known_tenants is not None:

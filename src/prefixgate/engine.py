@@ -9,11 +9,14 @@ nothing above this module knows which engine it talks to.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Engine", "EngineRequest", "KvStats", "SamplingCheck", "Tokenizer"]
+from .errors import InvalidRequest
+
+__all__ = ["Engine", "EngineRequest", "KvStats", "SamplingCheck", "Tokenizer", "check_max_tokens"]
 
 
 @runtime_checkable
@@ -65,6 +68,21 @@ class SamplingCheck:
 
     max_tokens: int | None
     reads_cache: bool = True
+
+
+def check_max_tokens(value: Any) -> int | None:
+    """A request's ``max_tokens`` as an int (``None`` stays ``None``), or ``InvalidRequest``.
+
+    vLLM's ``SamplingParams`` accepts any number, NaN and infinity included; a number vLLM would
+    serve (finite, at least 1) is accepted and rounded up, anything else is refused here.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"max_tokens must be a number or None, got {value!r}")
+    if not math.isfinite(value) or value < 1:
+        raise InvalidRequest(f"max_tokens must be a finite number >= 1, got {value!r}")
+    return math.ceil(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ class Outcome(enum.Enum):
     CANCELLED = "cancelled"
     INVALID = "invalid"
     TOO_LONG = "too_long"
+    TOO_LARGE = "too_large"
     QUEUE_FULL = "queue_full"
     OVERLOADED = "overloaded"
     RATE_LIMITED = "rate_limited"
@@ -63,6 +64,23 @@ class PromptTooLong(InvalidRequest):
     def __init__(self, message: str, *, num_tokens: int | None, limit: int) -> None:
         super().__init__(message)
         self.num_tokens = num_tokens
+        self.limit = limit
+
+
+class RequestTooLarge(InvalidRequest):
+    """Raised when a request's KV blocks (its prompt plus its output limit, capped at the model's
+    context) can never fit the gateway's KV budget, even on an idle engine.
+
+    Attributes:
+        blocks: The blocks it needs alone.
+        limit: The most blocks the gateway can reserve (``num_blocks × kv_budget``).
+    """
+
+    outcome = Outcome.TOO_LARGE
+
+    def __init__(self, message: str, *, blocks: int, limit: int) -> None:
+        super().__init__(message)
+        self.blocks = blocks
         self.limit = limit
 
 
@@ -126,3 +144,13 @@ class EngineError(PrefixgateError):
 class EngineDead(EngineError):
     """Raised when the engine process has died. Every later request fails the same way until
     a new engine is started."""
+
+
+class EngineStalled(EngineError):
+    """Raised for requests in flight when the engine made no progress (no output and no
+    scheduler step) for ``GatewayConfig.stall_timeout`` seconds; they are aborted."""
+
+
+class UsageError(PrefixgateError, RuntimeError):
+    """Raised when the API is misused: a stream iterated by two tasks at once, or a gateway used
+    from an event loop or thread other than the one it runs on. Not a request outcome."""

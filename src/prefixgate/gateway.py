@@ -6,6 +6,11 @@ queued) and returns a :class:`ResponseStream`. Iterating the stream prepares the
 scheduler decides when it is dispatched; the engine's outputs are passed through unchanged.
 Whatever way the stream ends (completion, error, the consumer cancelled or closed it), the
 ticket's reservations are released and, if the engine had it, the engine request is aborted.
+
+Nothing waits unbounded: a decision that fails fails only its own ticket; a dead engine fails
+every queued request at once; an engine that makes no progress for ``stall_timeout`` fails
+what it holds (``EngineStalled``); ``aclose(timeout=...)`` ends every stream, with aborts
+bounded in time and their errors logged, not raised.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from .engine import Engine, EngineRequest
 from .errors import (
     EngineDead,
     EngineError,
+    EngineStalled,
     InvalidRequest,
     Outcome,
     Overloaded,
@@ -32,6 +38,7 @@ from .errors import (
     RateLimited,
     Rejected,
     ShuttingDown,
+    UsageError,
 )
 from .ingress import Ingress, IngressRequest, Prompt
 from .ingress_pool import IngressPool, IngressPoolError, ProcessIngressPool, ThreadIngressPool
@@ -47,12 +54,17 @@ __all__ = ["Gateway", "ResponseStream"]  # ResponseStream lives in streaming.py
 
 log = logging.getLogger(__name__)
 
+_ABORT_TIMEOUT = 5.0  # real seconds an engine abort may take before it is given up (and logged)
+_MAX_THROTTLES = 4096  # beyond this many tenant rate windows, idle ones are dropped
+
 
 class Gateway:
     """prefixgate's front door for one engine.
 
     Use as an async context manager; on exit it stops accepting requests, ends queued ones with
-    :class:`~prefixgate.errors.ShuttingDown` and waits for running ones to finish.
+    :class:`~prefixgate.errors.ShuttingDown` and waits for running ones to finish. A gateway
+    belongs to the event loop it is first used on; using it from another loop or thread raises
+    :class:`~prefixgate.errors.UsageError`.
 
     Args:
         engine: Any :class:`~prefixgate.engine.Engine` (see :meth:`for_vllm` for vLLM).
@@ -74,7 +86,8 @@ class Gateway:
             output_reserve=config.output_reserve,
             default_output_tokens=config.default_output_tokens,
             watermark_blocks=int(engine.num_blocks * config.kv_watermark),
-            stats_max_age=config.stats_max_age, kv_stats=engine.kv_stats, clock=self.clock)
+            stats_max_age=config.stats_max_age, kv_stats=engine.kv_stats, clock=self.clock,
+            max_model_len=engine.max_model_len)
         self._engine_slots: int | None = getattr(engine, "max_num_seqs", None)
         max_in_flight = config.max_in_flight
         if max_in_flight is None and self._engine_slots:
@@ -99,6 +112,11 @@ class Gateway:
         self._closers: set[asyncio.Future[None]] = set()
         self._closing = False
         self._dead: EngineDead | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outputs = 0  # outputs streamed so far: the stall watchdog's sign of progress
+        self._watchdog: asyncio.Task[None] | None = None  # on virtual and fake clocks
+        self._watch_timer: asyncio.TimerHandle | None = None  # on the real clock
+        self._stall_mark: tuple[Any, float] = (None, 0.0)  # (last progress seen, since when)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -139,6 +157,7 @@ class Gateway:
                                   config.ingress_bulk_chars)
 
     async def __aenter__(self) -> Gateway:
+        self._bind_loop()
         if self._pool is not None:
             try:
                 await self._pool.start()
@@ -175,22 +194,16 @@ class Gateway:
         Raises:
             InvalidRequest: Malformed prompt or parameters, unknown tenant, an id in use.
             PromptTooLong: The prompt exceeds the model's (or the configured) limit.
+            RequestTooLarge: Its KV blocks can never fit the gateway's budget.
             ShuttingDown: The gateway is closing.
             EngineDead: The engine has died.
+            UsageError: Called outside the gateway's event loop.
         """
-        try:
-            self._check_open()
-            request = self._ingress.check(prompt, sampling_params, tenant=tenant,
-                                          request_id=request_id, lora_request=lora_request,
-                                          priority=priority)
-            self._claim(request.request_id)
-        except PrefixgateError as e:
-            self._stats.refuse(e.outcome)
-            raise
+        request = self._check(prompt, sampling_params, tenant, request_id, lora_request, priority)
         ticket = None
         if self._inline(request):
             try:
-                ticket = self._ingress.ticket(request, self._ingress.prepare(request))
+                ticket = self._ticket(request, self._ingress.prepare(request))
             except PrefixgateError as e:
                 self._live.pop(request.request_id, None)
                 self._stats.refuse(e.outcome)
@@ -204,38 +217,34 @@ class Gateway:
         """The non-blocking twin of :meth:`generate`: dispatches now or raises, never queues.
 
         Ingress runs inline. The returned stream already holds its engine slot and KV
-        reservation; iterate it (or ``aclose()`` it) promptly. Takes the same arguments as
-        :meth:`generate`.
+        reservation; iterate it (or ``aclose()`` it) promptly. A refused request does not use
+        up a slot of its tenant's rate. Takes the same arguments as :meth:`generate`.
 
         Raises:
             Overloaded: The request does not fit now (reason: ``kv_reserved``, ``kv_free_low``,
-                ``kv_stats_stale``, ``max_in_flight`` or ``queued_ahead``); see ``retry_after``.
+                ``kv_stats_stale``, ``max_in_flight``, ``tenant_share`` or ``queued_ahead``);
+                see ``retry_after``.
             RateLimited: The tenant's request rate is used up.
             Everything :meth:`generate` raises.
         """
+        request = self._check(prompt, sampling_params, tenant, request_id, lora_request, priority)
         try:
-            self._check_open()
-            request = self._ingress.check(prompt, sampling_params, tenant=tenant,
-                                          request_id=request_id, lora_request=lora_request,
-                                          priority=priority)
-            self._claim(request.request_id)
-        except PrefixgateError as e:
-            self._stats.refuse(e.outcome)
-            raise
-        try:
-            ticket = self._ingress.ticket(request, self._ingress.prepare(request))
-            throttle = self._throttle(ticket.tenant)
-            if throttle is not None and not throttle.try_acquire():
-                raise RateLimited(f"tenant {ticket.tenant!r} is over its request rate",
-                                  retry_after=throttle.retry_after(), reason="rate_limited")
+            ticket = self._ticket(request, self._ingress.prepare(request))
             if self._scheduler.num_waiting:
                 raise self._overloaded("queued_ahead")
+            throttle = self._throttle(ticket.tenant)
+            if throttle is not None and throttle.retry_after() > 0:
+                raise RateLimited(f"tenant {ticket.tenant!r} is over its request rate",
+                                  retry_after=throttle.retry_after(), reason="rate_limited")
             self._scheduler.enqueue(ticket)
             self._pump_now()
             if ticket.state is not TicketState.RUNNING:
                 self._scheduler.finish(ticket)
-                ticket.state = TicketState.NEW
+                if ticket.failure is not None:
+                    raise ticket.failure
                 raise self._overloaded(self._scheduler.blocked or "kv_reserved")
+            if throttle is not None:
+                throttle.try_acquire()  # only a request that runs uses up a slot of the rate
         except PrefixgateError as e:
             self._live.pop(request.request_id, None)
             self._stats.refuse(e.outcome, getattr(e, "reason", None))
@@ -252,10 +261,11 @@ class Gateway:
         try:
             ticket = self._ingress.make_ticket(prompt, sampling_params, tenant=tenant,
                                                lora_request=lora_request, request_id="can-admit")
+            self._admission.check_fits_ever(ticket)
         except PrefixgateError:
             return False
         throttle = self._throttle(ticket.tenant)
-        if self._closing or self._scheduler.num_waiting or (
+        if self._closing or self._dead is not None or self._scheduler.num_waiting or (
                 throttle is not None and throttle.retry_after() > 0):
             return False
         if self._scheduler.max_in_flight is not None and (
@@ -272,14 +282,15 @@ class Gateway:
             aged_dispatches=self._scheduler.aged_dispatches, blocked=self._scheduler.blocked)
 
     async def aclose(self, *, timeout: float | None = None) -> None:
-        """Stops accepting requests, ends queued ones with ``ShuttingDown``, and waits up to
-        ``timeout`` seconds (forever when ``None``) for running ones, then aborts what is left.
+        """Stops accepting requests, ends queued ones with ``ShuttingDown``, waits up to
+        ``timeout`` seconds (on the gateway's clock; until they finish when ``None``, which the
+        stall watchdog bounds) for running ones, then aborts what is left and ends its streams
+        with ``ShuttingDown``. Never raises for the engine's sake: failing aborts are logged,
+        and each may take at most a few seconds. Idempotent.
         """
         self._closing = True
         for ticket in self._scheduler.waiting():
-            self._scheduler.finish(ticket)
-            if ticket.granted is not None and not ticket.granted.done():
-                ticket.granted.set_exception(ShuttingDown("gateway is shutting down"))
+            self._fail(ticket, ShuttingDown("gateway is shutting down"))
         if self._scheduler.running:
             self._idle.clear()
             idle = asyncio.ensure_future(self._idle.wait())
@@ -291,13 +302,52 @@ class Gateway:
             finally:
                 for w in waits:
                     w.cancel()
-            for ticket in list(self._scheduler.running):
-                await self.engine.abort(ticket.request_id)
+            left = list(self._scheduler.running)
+            if left:
+                await asyncio.gather(*(self._abort(t.request_id) for t in left))
+                tasks = [t.task for t in left if t.task is not None and not t.task.done()]
+                for ticket in left:
+                    self._kill(ticket, ShuttingDown(f"{ticket.request_id} aborted: gateway closed"))
+                if tasks:
+                    await asyncio.wait(tasks, timeout=_ABORT_TIMEOUT)
+        self._disarm_watchdog()
         if self._pool is not None:
             pool, self._pool = self._pool, None
-            await pool.aclose()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(pool.aclose(), _ABORT_TIMEOUT)
 
-    # -- the async shell --------------------------------------------------------------------
+    # -- ingress ----------------------------------------------------------------------------
+
+    def _bind_loop(self) -> None:
+        """Binds the gateway to the running event loop at first use; refuses any other."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise UsageError("use the gateway from a coroutine running on an event loop") from None
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise UsageError("this gateway belongs to another event loop (or thread); create one "
+                             "gateway per event loop") from None
+
+    def _check(self, prompt: Prompt, sampling_params: Any, tenant: str | None,
+               request_id: str | None, lora_request: Any, priority: int) -> IngressRequest:
+        self._bind_loop()
+        try:
+            self._check_open()
+            request = self._ingress.check(prompt, sampling_params, tenant=tenant,
+                                          request_id=request_id, lora_request=lora_request,
+                                          priority=priority)
+            self._claim(request.request_id)
+        except PrefixgateError as e:
+            self._stats.refuse(e.outcome)
+            raise
+        return request
+
+    def _ticket(self, request: IngressRequest, prepared: Any) -> Ticket:
+        ticket = self._ingress.ticket(request, prepared)
+        self._admission.check_fits_ever(ticket)
+        return ticket
 
     def _check_open(self) -> None:
         if self._closing:
@@ -329,11 +379,13 @@ class Gateway:
         pool = self._pool
         if pool is not None:
             try:
-                return self._ingress.ticket(request, await pool.prepare(request))
+                return self._ticket(request, await pool.prepare(request))
             except IngressPoolError as e:
                 if self._pool is pool:
                     self._pool_failed(e)
-        return self._ingress.ticket(request, self._ingress.prepare(request))
+        return self._ticket(request, self._ingress.prepare(request))
+
+    # -- admission and dispatch -------------------------------------------------------------
 
     def _throttle(self, tenant: str | None) -> TenantThrottle | None:
         limits = self.config.tenants.get(tenant, self.config.default_tenant_limits) if tenant \
@@ -342,6 +394,9 @@ class Gateway:
             return None
         throttle = self._throttles.get(tenant)
         if throttle is None:
+            if len(self._throttles) >= _MAX_THROTTLES:  # forget tenants whose window is empty
+                self._throttles = {t: th for t, th in self._throttles.items() if th.retry_after() > 0
+                                   or th.in_window()}
             throttle = self._throttles[tenant] = TenantThrottle(limits.rate, self.clock)
         return throttle
 
@@ -384,27 +439,50 @@ class Gateway:
             asyncio.get_running_loop().call_soon(self._pump_now)
 
     def _pump_now(self) -> None:
-        """Carries out the scheduler's decisions: grants the tickets it dispatches."""
+        """Carries out the scheduler's decisions: grants the tickets it dispatches, fails those
+        whose reservation failed. Never raises: a request's failure is its own."""
         self._pump_scheduled = False
-        for dispatch in self._scheduler.next_batch():
+        scheduler = self._scheduler
+        try:
+            dispatches = scheduler.next_batch()
+        except Exception as e:  # a bug in a decision: fail what waits rather than strand it
+            log.exception("prefixgate: the scheduler failed; failing every queued request")
+            for ticket in scheduler.waiting():
+                self._fail(ticket, EngineError(f"the gateway's scheduler failed: {e}"))
+            return
+        for dispatch in dispatches:
             granted = dispatch.ticket.granted
             if granted is not None and not granted.done():
                 granted.set_result(None)
+        if scheduler.failed:
+            failed, scheduler.failed = scheduler.failed, []
+            for ticket, error in failed:
+                self._fail(ticket, EngineError(f"could not reserve KV blocks for "
+                                               f"{ticket.request_id}: {error}"))
+
+    def _fail(self, ticket: Ticket, error: PrefixgateError) -> None:
+        """Ends a ticket that has not reached the engine with ``error``."""
+        if ticket.state is TicketState.QUEUED:
+            self._scheduler.finish(ticket)
+        ticket.failure = error
+        granted = ticket.granted
+        if granted is not None and not granted.done():
+            granted.set_exception(error)
 
     async def _wait_for_grant(self, ticket: Ticket) -> None:
-        assert ticket.granted is not None
-        if ticket.granted.done() or self.config.queue_timeout is None:
-            await ticket.granted
+        ticket.granted = granted = asyncio.get_running_loop().create_future()
+        if self.config.queue_timeout is None:
+            await granted
             return
         deadline = ticket.arrival + self.config.queue_timeout
         expiry = asyncio.ensure_future(self.clock.sleep(deadline - self.clock.now()))
         try:
-            await asyncio.wait({ticket.granted, expiry}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({granted, expiry}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             expiry.cancel()
-        if not ticket.granted.done():
+        if not granted.done():
             raise QueueTimeout(f"{ticket.request_id} waited over {self.config.queue_timeout} s")
-        ticket.granted.result()
+        granted.result()
 
     async def _admit(self, ticket: Ticket) -> None:
         """Rate-limits, load-checks and queues ``ticket`` (the blocking path's ingress)."""
@@ -420,6 +498,8 @@ class Gateway:
             self._stats.refuse(e.outcome, getattr(e, "reason", None))
             raise
         self._stats.accept(ticket)
+
+    # -- serving ----------------------------------------------------------------------------
 
     async def _serve(self, stream: ResponseStream) -> AsyncGenerator[Any, None]:
         """Prepares (if not yet), queues, dispatches and streams one request; releases
@@ -445,17 +525,29 @@ class Gateway:
             if not admitted:
                 self._schedule_pump()
                 await asyncio.sleep(0)  # the pump runs first: a burst is ordered as one
+                if ticket.failure is not None:
+                    raise ticket.failure
                 if ticket.state is not TicketState.RUNNING:
-                    ticket.granted = asyncio.get_running_loop().create_future()
                     await self._wait_for_grant(ticket)
             if self._dead is not None:
                 raise EngineDead("the engine has died") from self._dead.__cause__
             dispatched = True
+            ticket.task = asyncio.current_task()
+            self._arm_watchdog()
             outputs = self.engine.generate(EngineRequest(
                 ticket.request_id, ticket.prompt_token_ids, ticket.sampling_params, ticket.cache_salt,
                 ticket.lora_request, ticket.priority))
             try:
-                async for out in outputs:
+                pull = outputs.__anext__
+                while True:
+                    ticket.in_engine = True
+                    try:
+                        out = await pull()
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        ticket.in_engine = False
+                    self._outputs += 1
                     if ticket.first_output_at is None:
                         ticket.first_output_at = self.clock.now()
                     if getattr(out, "finished", False):
@@ -464,20 +556,35 @@ class Gateway:
                                 raise ShuttingDown(f"{ticket.request_id} aborted: gateway closed")
                             raise EngineError(f"the engine aborted {ticket.request_id}")
                         self._on_complete(ticket, out)  # before the yield: callers may stop here
+                    if ticket.kill is not None:
+                        raise ticket.kill
                     yield out
+                    if ticket.kill is not None:
+                        raise ticket.kill
             finally:
                 await outputs.aclose()  # type: ignore[attr-defined]
             if ticket.outcome is not Outcome.COMPLETED:
                 if self._closing:
                     raise ShuttingDown(f"{ticket.request_id} aborted: gateway closed")
                 raise EngineError(f"engine ended {ticket.request_id} without a finished output")
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if ticket.kill is not None and task is not None and task.uncancel() == 0:
+                ticket.outcome = ticket.kill.outcome  # ended by the gateway (stall, aclose)
+                raise ticket.kill from None
+            if task is not None and task.cancelling() == 0 and ticket.outcome is not Outcome.COMPLETED:
+                ticket.outcome = Outcome.ENGINE_ERROR  # the engine raised it; nobody cancelled us
+                raise EngineError(f"the engine cancelled {ticket.request_id}") from None
+            if ticket.outcome is not Outcome.COMPLETED:
+                ticket.outcome = Outcome.CANCELLED
+            raise
+        except GeneratorExit:
             if ticket.outcome is not Outcome.COMPLETED:
                 ticket.outcome = Outcome.CANCELLED
             raise
         except EngineDead as e:
-            self._dead = e
             ticket.outcome = e.outcome
+            self._on_dead(e)
             raise
         except PrefixgateError as e:
             ticket.outcome = e.outcome
@@ -488,13 +595,99 @@ class Gateway:
         finally:
             if ticket.outcome is None:  # pragma: no cover - every path above sets it
                 ticket.outcome = Outcome.ENGINE_ERROR
+            ticket.task = None
             self._release(ticket)
             try:
                 if dispatched and ticket.outcome is not Outcome.COMPLETED and self._dead is None:
-                    with contextlib.suppress(Exception):
-                        await self.engine.abort(ticket.request_id)
+                    await self._abort(ticket.request_id)
             finally:
                 self._live.pop(ticket.request_id, None)
+
+    async def _abort(self, request_id: str) -> None:
+        """Aborts ``request_id`` in the engine, giving up (and logging) after a few seconds or
+        on any error: ending a request must not depend on the engine answering."""
+        try:
+            await asyncio.wait_for(self.engine.abort(request_id), _ABORT_TIMEOUT)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            log.warning("prefixgate: aborting %s in the engine failed: %r", request_id, e)
+
+    def _kill(self, ticket: Ticket, error: PrefixgateError) -> None:
+        """Ends a running ticket's stream with ``error``: at once if its consumer is waiting on
+        the engine, else when it next asks for an output."""
+        if ticket.kill is None:
+            ticket.kill = error
+            task = ticket.task
+            if ticket.in_engine and task is not None and not task.done():
+                task.cancel()
+
+    def _on_dead(self, error: EngineDead) -> None:
+        """The engine died: refuse everything from now on and fail what waits at once."""
+        if self._dead is None:
+            self._dead = error
+            for ticket in self._scheduler.waiting():
+                self._fail(ticket, EngineDead("the engine has died"))
+
+    def _arm_watchdog(self) -> None:
+        """Starts watching for stalls while requests are in flight: a loop timer on the real
+        clock (nothing to clean up), a task sleeping on a virtual or fake clock."""
+        stall = self.config.stall_timeout
+        if stall is None or self._watchdog is not None or self._watch_timer is not None:
+            return
+        self._stall_mark = (None, self.clock.now())
+        if isinstance(self.clock, MonotonicClock):
+            self._watch_timer = asyncio.get_running_loop().call_later(stall / 4, self._watch_tick)
+        else:
+            self._watchdog = asyncio.ensure_future(self._watch_task(stall))
+
+    def _watch_tick(self) -> None:
+        self._watch_timer = None
+        if self._scheduler.running and not self._closing:
+            self._check_stall()
+            self._arm_watchdog_again()
+
+    def _arm_watchdog_again(self) -> None:
+        stall = self.config.stall_timeout
+        assert stall is not None
+        self._watch_timer = asyncio.get_running_loop().call_later(stall / 4, self._watch_tick)
+
+    async def _watch_task(self, stall_timeout: float) -> None:
+        try:
+            while self._scheduler.running and not self._closing:
+                await self.clock.sleep(stall_timeout / 4)
+                self._check_stall()
+        finally:
+            if self._watchdog is asyncio.current_task():
+                self._watchdog = None
+
+    def _check_stall(self) -> None:
+        """Fails what the engine holds if it made no progress (no output and no scheduler step)
+        for ``stall_timeout`` seconds while requests were in flight."""
+        stall = self.config.stall_timeout
+        if stall is None or not self._scheduler.running:
+            return
+        stats = self.engine.kv_stats()
+        progress = (self._outputs, stats.steps if stats is not None else 0)
+        last, since = self._stall_mark
+        now = self.clock.now()
+        if progress != last:
+            self._stall_mark = (progress, now)
+        elif now - since > stall:
+            log.warning("prefixgate: the engine made no progress for %.1f s; failing the %d requests "
+                        "in flight", now - since, len(self._scheduler.running))
+            for ticket in list(self._scheduler.running):
+                self._kill(ticket, EngineStalled(f"no progress from the engine for {now - since:.1f} s "
+                                                 f"(stall_timeout {stall:g} s)"))
+            self._stall_mark = (progress, now)
+
+    def _disarm_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+            self._watch_timer = None
 
     def _release(self, ticket: Ticket) -> None:
         """Ends ``ticket``: frees its queue slot or window slot and blocks, counts its outcome,
@@ -506,6 +699,9 @@ class Gateway:
         self._stats.end(ticket)
         if not self._scheduler.running:
             self._idle.set()
+            if self._watchdog is not None:  # a task on a virtual clock: do not leave it pending
+                self._watchdog.cancel()
+                self._watchdog = None
         if self._scheduler.num_waiting:
             self._pump_now()
 

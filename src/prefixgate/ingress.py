@@ -41,6 +41,11 @@ ints, or vLLM's ``TokensPrompt`` mapping ``{"prompt_token_ids": [...]}``)."""
 # A prompt this many characters per allowed token is refused before tokenizing it: no real
 # tokenizer averages that many characters per token, and tokenizing megabytes costs seconds.
 _MAX_CHARS_PER_TOKEN = 64
+_MAX_NAME_CHARS = 256  # a chat message's role or name
+# What a prompt may not consist of alone: whitespace and zero-width format characters.
+_BLANK = ("\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006"
+          "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"  # str.isspace()
+          "\u200b\u200c\u200d\u2060\ufeff")
 
 Encode = Callable[[str, bool], Sequence[int]]
 """``encode(text, add_special_tokens) -> token ids``."""
@@ -313,6 +318,8 @@ class Ingress:
     def _check_text(self, text: str) -> None:
         if not text:
             raise InvalidRequest("prompt is empty")
+        if not text.strip(_BLANK):  # stops at the first other character: O(1) for real prompts
+            raise InvalidRequest("prompt is blank: only whitespace or zero-width characters")
         if len(text) > self.max_chars:
             raise PromptTooLong(f"prompt has {len(text)} characters, far over the token limit",
                                 num_tokens=None, limit=self.max_prompt_tokens)
@@ -332,13 +339,33 @@ class Ingress:
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
                 raise InvalidRequest(f"message {i} must be a mapping with a string 'role'")
+            for key in ("role", "name"):
+                value = message.get(key)
+                if value is None and key == "name":
+                    continue
+                if not isinstance(value, str) or not 0 < len(value) <= _MAX_NAME_CHARS:
+                    raise InvalidRequest(f"message {i}: {key!r} must be a string of 1 to "
+                                         f"{_MAX_NAME_CHARS} characters")
+                _check_utf8(value, f"message {i} {key}")
             content = message.get("content")
-            texts = [content] if isinstance(content, str) else [
-                p.get("text") for p in content or () if isinstance(p, Mapping)]
+            if content is None or isinstance(content, str):
+                texts = [content] if content else []
+            elif isinstance(content, list | tuple):
+                texts = []
+                for j, part in enumerate(content):
+                    if not isinstance(part, Mapping):
+                        raise InvalidRequest(f"message {i}: content part {j} must be a mapping")
+                    text = part.get("text")
+                    if text is not None and not isinstance(text, str):
+                        raise InvalidRequest(f"message {i}: content part {j} text must be a string")
+                    if text:
+                        texts.append(text)
+            else:
+                raise InvalidRequest(f"message {i}: content must be a string, a list of parts or "
+                                     f"None, not {type(content).__name__}")
             for text in texts:
-                if isinstance(text, str):
-                    _check_utf8(text, f"message {i}")
-                    total += len(text)
+                _check_utf8(text, f"message {i}")
+                total += len(text)
         if total > self.max_chars:
             raise PromptTooLong(f"messages have {total} characters, far over the token limit",
                                 num_tokens=None, limit=self.max_prompt_tokens)

@@ -8,17 +8,19 @@ fairness and the KV window apply to all of them.
 How a ticket is chosen, in order:
 
 1. **Tenant fairness.** Among tenants with waiting tickets (and under their in-flight share),
-   the one with the fewest tickets in flight, then the least recently served, goes next. The
-   steps below choose within that tenant's queue. A tenant at its share waits while another
-   tenant has requests in flight (dispatch stops with ``tenant_share``); with nobody else busy
-   it may use more (work-conserving). The share is of the engine's ``max_num_seqs``.
-2. **Riders.** Under a circular policy, a waiting sibling of the tenant's last dispatch
-   (sharing at least half its cacheable prefix) goes next: it reuses the prefix just loaded. A
-   group is finite, so this defers the steps below by at most one group.
-3. **Aging.** If the tenant's oldest waiting ticket has been overtaken (a ticket that arrived
+   the one with the fewest tickets in flight, then the least recently served, goes next (a
+   sorted index over tenants, not a scan). The steps below choose within that tenant's queue. A
+   tenant at its share waits while another tenant has requests in flight (dispatch stops with
+   ``tenant_share``); with nobody else busy it may use more (work-conserving). The share is of
+   the engine's ``max_num_seqs``.
+2. **Aging.** If the tenant's oldest waiting ticket has been overtaken (a ticket that arrived
    more than ``min_aging_wait`` after it was dispatched) and has waited more than
-   ``max_wait_factor`` × the median wait of recently dispatched tickets, it goes first, whatever
-   the policy says. Tickets that arrived together (a burst) do not overtake each other.
+   ``max_wait_factor`` × the median wait of recently dispatched tickets *that waited* (at least
+   ``min_aging_wait``; before any did, ``max_wait_factor`` × ``min_aging_wait``), it goes first,
+   whatever the policy or its riders say: the bound holds even under an endless group. Tickets
+   that arrived together (a burst) do not overtake each other.
+3. **Riders.** Under a circular policy, a waiting sibling of the tenant's last dispatch
+   (sharing at least half its cacheable prefix) goes next: it reuses the prefix just loaded.
 4. **Policy.** The policy's smallest key, or for a *circular* policy (``prefix``) the next key
    after the last one dispatched, wrapping around: the queue is sorted by block-hash chain, so
    siblings that share a prefix are adjacent and dispatched together. When a circular policy
@@ -30,7 +32,8 @@ How a ticket is chosen, in order:
 
 from __future__ import annotations
 
-from collections import Counter, deque
+import itertools
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,7 +43,7 @@ from sortedcontainers import SortedKeyList, SortedList
 from .admission import Admission
 from .clock import Clock
 from .config import TenantLimits
-from .errors import QueueFull
+from .errors import Outcome, QueueFull
 from .mirror import PrefixMirror
 from .tickets import Ticket, TicketState
 
@@ -48,7 +51,6 @@ __all__ = ["ORDERING_POLICIES", "Dispatch", "Fcfs", "OrderingPolicy", "PrefixOrd
            "Scheduler", "WaitingQueue"]
 
 _RESIDENT_LOOKAHEAD = 8  # oldest tickets checked for a resident prefix when a group ends
-_SHARE_BLOCKED = object()  # _tenant(): every waiting tenant is at its share
 
 
 class OrderingPolicy(Protocol):
@@ -173,11 +175,32 @@ class Dispatch:
     blocks: int
 
 
+class _Tenant:
+    """What the scheduler keeps per tenant while it has tickets waiting or running (then it is
+    forgotten: per-tenant state is bounded by the tenants with work)."""
+
+    __slots__ = ("entry", "last_hashes", "last_key", "name", "queue", "running", "served", "tid")
+
+    def __init__(self, name: str | None, tid: int) -> None:
+        self.name = name
+        self.tid = tid
+        self.queue: WaitingQueue | None = None
+        self.running = 0
+        self.served = -1  # serial of its last dispatch
+        self.last_key: Any = None
+        self.last_hashes: tuple[Any, ...] = ()
+        self.entry: tuple[int, int, int] | None = None  # its place in the ranking, if eligible
+
+
 class Scheduler:
     """Owns waiting and running tickets and decides dispatches.
 
     Invariant: a known ticket is in exactly one of the waiting queues (QUEUED) and ``running``
     (RUNNING); a RUNNING ticket holds exactly one ledger reservation; ``finish`` releases both.
+    A tenant is known while it has a ticket waiting or running. A decision never raises: a
+    ticket whose reservation fails is taken out and listed in ``failed`` with the error.
+
+    Bounds: waiting tickets ``max_queue_len``; tenants known, those with work; recent waits 256.
 
     Args:
         policy: Orders each tenant's queue.
@@ -211,20 +234,22 @@ class Scheduler:
         self.tenant_limits = tenant_limits
         self.default_limits = default_limits
         self.share_base = share_base
-        self.queues: dict[str | None, WaitingQueue] = {}
+        self._shares = bool(tenant_limits) or default_limits.max_in_flight_share is not None
+        self.tenants: dict[str | None, _Tenant] = {}
+        self._tids = itertools.count()
+        self._by_tid: dict[int, _Tenant] = {}
+        self._rank: SortedList = SortedList()  # (running, served, tid) of tenants that may go
+        self._queued_tenants = 0
         self._spare: list[WaitingQueue] = []  # emptied queues, reused (creating one costs µs)
         self._waiting = 0
         self.running: set[Ticket] = set()
-        self.running_by_tenant: Counter[str | None] = Counter()
-        self._served: dict[str | None, int] = {}
         self._serial = 0
-        self._last_key: dict[str | None, Any] = {}
-        self._last_hashes: dict[str | None, tuple[Any, ...]] = {}
         self.recent_waits: deque[float] = deque(maxlen=256)
-        self._sorted_waits: SortedList = SortedList()  # recent_waits, sorted (for the median)
+        self._sorted_waits: SortedList = SortedList()  # recent waits of tickets that waited
         self.newest_dispatched_arrival = float("-inf")
         self.aged_dispatches = 0
         self.blocked: str | None = None
+        self.failed: list[tuple[Ticket, Exception]] = []
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -232,27 +257,76 @@ class Scheduler:
     def num_waiting(self) -> int:
         return self._waiting
 
+    @property
+    def queues(self) -> dict[str | None, WaitingQueue]:
+        """Each tenant's waiting queue (tenants with tickets waiting)."""
+        return {t.name: t.queue for t in self.tenants.values() if t.queue is not None}
+
+    def running_of(self, tenant: str | None) -> int:
+        """Tickets of ``tenant`` running now."""
+        state = self.tenants.get(tenant)
+        return 0 if state is None else state.running
+
     def waiting(self) -> list[Ticket]:
         """Every waiting ticket, oldest first within each tenant."""
-        return [t for queue in self.queues.values() for t in queue.by_age()]
+        return [t for state in self.tenants.values() if state.queue is not None
+                for t in state.queue.by_age()]
+
+    def _state(self, tenant: str | None) -> _Tenant:
+        state = self.tenants.get(tenant)
+        if state is None:
+            state = self.tenants[tenant] = _Tenant(tenant, next(self._tids))
+            self._by_tid[state.tid] = state
+        return state
+
+    def _forget_if_idle(self, state: _Tenant) -> None:
+        if state.queue is None and state.running == 0:
+            del self.tenants[state.name]
+            del self._by_tid[state.tid]
+
+    def _cap(self, tenant: str | None) -> int | None:
+        """The most tickets ``tenant`` may run while others run, or ``None``."""
+        share = self._limits(tenant).max_in_flight_share
+        if share is None:
+            return None
+        slots = [n for n in (self.share_base, self.max_in_flight) if n is not None]
+        cap_base = min(slots) if slots else max(1, len(self.running))
+        return max(1, int(share * cap_base))
+
+    def _rerank(self, state: _Tenant) -> None:
+        """Puts ``state`` in the ranking where it belongs (or out of it)."""
+        if state.entry is not None:
+            self._rank.remove(state.entry)
+            state.entry = None
+        if state.queue is None:
+            return
+        cap = self._cap(state.name) if self._shares else None
+        if cap is not None and state.running >= cap:
+            return  # at its share
+        state.entry = (state.running, state.served, state.tid)
+        self._rank.add(state.entry)
 
     def enqueue(self, ticket: Ticket) -> None:
         """Queues ``ticket``.
 
         Raises:
-            QueueFull: If ``max_queue_len`` tickets already wait (``retry_after`` from the
-                recent drain rate).
+            QueueFull: If ``max_queue_len`` tickets already wait (``retry_after``: the predicted
+                wait of the queue ahead).
         """
         if self._waiting >= self.max_queue_len:
-            wait = self.admission.estimated_wait(0)
+            wait = self.admission.estimated_wait(self._waiting)
             raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)",
                             retry_after=wait if wait is not None else 1.0, reason="queue_full")
-        queue = self.queues.get(ticket.tenant)
+        state = self._state(ticket.tenant)
+        queue = state.queue
         if queue is None:
-            queue = self._spare.pop() if self._spare else WaitingQueue(self.policy)
-            self.queues[ticket.tenant] = queue
+            queue = state.queue = self._spare.pop() if self._spare else WaitingQueue(self.policy)
+            self._queued_tenants += 1
+            queue.add(ticket)
+            self._rerank(state)
+        else:
+            queue.add(ticket)
         ticket.state = TicketState.QUEUED
-        queue.add(ticket)
         self._waiting += 1
 
     def finish(self, ticket: Ticket) -> None:
@@ -261,26 +335,39 @@ class Scheduler:
             self._dequeue(ticket)
             if ticket.predicted_wait is not None:  # it waited at least this long
                 self.admission.observe_wait(ticket.predicted_wait, self.clock.now() - ticket.arrival)
+            self._forget_if_idle(self.tenants[ticket.tenant])
         elif ticket.state is TicketState.RUNNING:
             self.running.discard(ticket)
-            self.running_by_tenant[ticket.tenant] -= 1
+            state = self.tenants[ticket.tenant]
+            state.running -= 1
+            if state.queue is not None:
+                self._rerank(state)
+            else:
+                self._forget_if_idle(state)
             self.admission.ledger.release(ticket)
-            if ticket.outcome is not None and ticket.outcome.value == "completed":
+            if ticket.outcome is Outcome.COMPLETED:
                 self.admission.drain.record()
         ticket.state = TicketState.DONE
 
     def _dequeue(self, ticket: Ticket) -> None:
-        queue = self.queues[ticket.tenant]
+        state = self.tenants[ticket.tenant]
+        queue = state.queue
+        assert queue is not None
         queue.remove(ticket)
         self._waiting -= 1
         if not queue:
-            del self.queues[ticket.tenant]
+            state.queue = None
+            self._queued_tenants -= 1
+            if state.entry is not None:
+                self._rank.remove(state.entry)
+                state.entry = None
             queue._arrivals.clear()
             if len(self._spare) < 16:
                 self._spare.append(queue)
 
     def median_wait(self) -> float | None:
-        """Median queue wait of the recently dispatched tickets, or ``None`` before any."""
+        """Median queue wait of recently dispatched tickets that waited (at least
+        ``min_aging_wait``), or ``None`` before any did."""
         waits = self._sorted_waits
         n = len(waits)
         if not n:
@@ -288,6 +375,8 @@ class Scheduler:
         return waits[n // 2] if n % 2 else (waits[n // 2 - 1] + waits[n // 2]) / 2
 
     def _note_wait(self, wait: float) -> None:
+        if wait < self.min_aging_wait:
+            return
         waits = self.recent_waits
         if len(waits) == waits.maxlen:
             self._sorted_waits.remove(waits[0])
@@ -299,56 +388,43 @@ class Scheduler:
 
     # -- decisions --------------------------------------------------------------------------
 
-    def _aged(self, now: float, tenant: str | None) -> Ticket | None:
-        oldest = self.queues[tenant].oldest()
-        median = self.median_wait()
-        if median is None or self.newest_dispatched_arrival - oldest.arrival <= self.min_aging_wait:
+    def _aged(self, now: float, queue: WaitingQueue) -> Ticket | None:
+        oldest = queue.oldest()
+        if self.newest_dispatched_arrival - oldest.arrival <= self.min_aging_wait:
             return None  # nothing newer has gone ahead of it
-        bound = max(self.min_aging_wait, self.max_wait_factor * median)
-        return oldest if now - oldest.arrival > bound else None
+        median = self.median_wait()
+        bound = self.max_wait_factor * (median if median is not None else self.min_aging_wait)
+        return oldest if now - oldest.arrival > max(self.min_aging_wait, bound) else None
 
-    def _tenant(self) -> Any:
-        """The tenant to serve next, or ``_SHARE_BLOCKED`` when every waiting tenant is at its
-        in-flight share while another tenant has requests in flight."""
-        if len(self.queues) == 1 and not self.tenant_limits and (
-                self.default_limits.max_in_flight_share is None):
-            return next(iter(self.queues))
-        slots = [n for n in (self.share_base, self.max_in_flight) if n is not None]
-        cap_base = min(slots) if slots else max(1, len(self.running))
-        best, best_rank = None, None
-        for tenant in self.queues:
-            share = self._limits(tenant).max_in_flight_share
-            if share is not None and self.running_by_tenant[tenant] >= max(1, int(share * cap_base)):
-                continue  # at its share
-            rank = (self.running_by_tenant[tenant], self._served.get(tenant, -1))
-            if best_rank is None or rank < best_rank:
-                best, best_rank = tenant, rank
-        if best_rank is not None:
-            return best
-        if any(n > 0 for t, n in self.running_by_tenant.items() if t not in self.queues):
-            return _SHARE_BLOCKED  # others are being served: the shares hold
+    def _tenant(self) -> _Tenant | None:
+        """The tenant to serve next, or ``None`` when every waiting tenant is at its in-flight
+        share while another tenant has requests in flight."""
+        if self._rank:
+            return self._by_tid[self._rank[0][2]]
+        waiting = [t for t in self.tenants.values() if t.queue is not None]
+        if sum(t.running for t in waiting) < len(self.running):
+            return None  # others are being served: the shares hold
         # Nobody else has work here: work-conserving, the share does not idle the engine.
-        return min(self.queues, key=lambda t: (self.running_by_tenant[t], self._served.get(t, -1)))
+        return min(waiting, key=lambda t: (t.running, t.served))
 
-    def _rider(self, tenant: str | None) -> Ticket | None:
-        """For a circular policy, the next ticket of ``tenant``'s group being dispatched, if
+    def _rider(self, state: _Tenant, queue: WaitingQueue) -> Ticket | None:
+        """For a circular policy, the next ticket of the tenant's group being dispatched, if
         any: one that shares at least half its cacheable prefix with the tenant's last dispatch.
-        It rides along on the prefix just loaded, ahead of aging (a group is finite)."""
-        if not self.circular or tenant not in self.queues or tenant not in self._last_key:
+        It rides along on the prefix just loaded."""
+        if not self.circular or state.last_key is None:
             return None
-        ticket = self.queues[tenant].after(self._last_key[tenant])
-        last = self._last_hashes[tenant]
+        ticket = queue.after(state.last_key)
+        last = state.last_hashes
         half = (ticket.cacheable_blocks + 1) // 2  # at least one block, at least half of them
         # Keys stand for their whole prefix: sharing key half-1 means sharing all before it.
         if half and half <= len(last) and ticket.block_hashes[half - 1] == last[half - 1]:
             return ticket
         return None
 
-    def _pick(self, tenant: str | None) -> Ticket:
-        queue = self.queues[tenant]
-        if not self.circular or tenant not in self._last_key:
+    def _pick(self, state: _Tenant, queue: WaitingQueue) -> Ticket:
+        if not self.circular or state.last_key is None:
             return queue.first()
-        ticket = queue.after(self._last_key[tenant])
+        ticket = queue.after(state.last_key)
         # A group ended: prefer an old ticket whose prefix the engine still holds.
         best, best_hits = ticket, self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
         for i, other in enumerate(queue.by_age()):
@@ -370,26 +446,29 @@ class Scheduler:
     def _choose(self, now: float) -> tuple[Ticket, bool] | None:
         """The next ticket and whether aging chose it (something must wait); ``None`` when
         every waiting tenant is held at its in-flight share."""
-        tenant = self._tenant()
-        if tenant is _SHARE_BLOCKED:
+        state = self._tenant()
+        if state is None:
             return None
-        queue = self.queues[tenant]
+        queue = state.queue
+        assert queue is not None
         if len(queue) == 1:  # no choice to make
             return queue.first(), False
-        rider = self._rider(tenant)
-        if rider is not None:
-            return rider, False
-        aged = self._aged(now, tenant)
-        return (aged, True) if aged is not None else (self._pick(tenant), False)
+        aged = self._aged(now, queue)
+        if aged is not None:
+            return aged, True
+        rider = self._rider(state, queue)
+        return (rider, False) if rider is not None else (self._pick(state, queue), False)
 
     def next_batch(self) -> list[Dispatch]:
         """Dispatches, in order, every ticket that may go now; reserves blocks, predicts hits.
 
-        Sets ``blocked`` to why dispatch stopped (``None`` when the queue emptied).
+        Sets ``blocked`` to why dispatch stopped (``None`` when the queue emptied). A ticket
+        whose reservation raises is taken out and appended to ``failed``; the others go on.
         """
         out: list[Dispatch] = []
         now = self.clock.now()
         self.blocked = None
+        admission = self.admission
         while self._waiting:
             if self.max_in_flight is not None and len(self.running) >= self.max_in_flight:
                 self.blocked = "max_in_flight"
@@ -399,32 +478,46 @@ class Scheduler:
                 self.blocked = "tenant_share"
                 break
             ticket, aged = choice
-            hit_blocks = self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
-            shared, private = self.admission.split(ticket)
-            reason = self.admission.blocked_reason(self.admission.ledger.need(shared, private))
-            if reason is not None:
-                self.blocked = reason
-                break
-            self._dequeue(ticket)
-            blocks = self.admission.reserve(ticket, shared, private)
+            queued = True
+            try:
+                shared, private = admission.split(ticket)
+                reason = admission.blocked_reason(admission.ledger.need(shared, private))
+                if reason is not None:
+                    self.blocked = reason
+                    break
+                hit_blocks = self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
+                self._dequeue(ticket)
+                queued = False
+                blocks = admission.reserve(ticket, shared, private)
+            except Exception as e:  # never strand the queue behind one bad ticket
+                if queued:
+                    self._dequeue(ticket)
+                ticket.state = TicketState.DONE
+                self._forget_if_idle(self.tenants[ticket.tenant])
+                self.failed.append((ticket, e))
+                continue
             self.mirror.insert(ticket.block_hashes)
             ticket.state = TicketState.RUNNING
-            ticket.predicted_hit_tokens = hit_blocks * self.admission.block_size
+            ticket.predicted_hit_tokens = hit_blocks * admission.block_size
             ticket.dispatched_at = now
             if ticket.predicted_wait is not None:
-                self.admission.observe_wait(ticket.predicted_wait, now - ticket.arrival)
+                admission.observe_wait(ticket.predicted_wait, now - ticket.arrival)
             self.running.add(ticket)
-            self.running_by_tenant[ticket.tenant] += 1
+            state = self.tenants[ticket.tenant]
+            state.running += 1
             self._serial += 1
-            self._served[ticket.tenant] = self._serial
-            self._last_key[ticket.tenant] = ticket.queue_key
-            self._last_hashes[ticket.tenant] = ticket.block_hashes
+            state.served = self._serial
+            state.last_key = ticket.queue_key
+            state.last_hashes = ticket.block_hashes
+            if state.queue is not None:
+                self._rerank(state)
             self._note_wait(now - ticket.arrival)
-            self.newest_dispatched_arrival = max(self.newest_dispatched_arrival, ticket.arrival)
+            if ticket.arrival > self.newest_dispatched_arrival:
+                self.newest_dispatched_arrival = ticket.arrival
             self.aged_dispatches += aged
             out.append(Dispatch(ticket, hit_blocks, blocks))
         return out
 
     def __repr__(self) -> str:
         return (f"Scheduler({type(self.policy).__name__}, waiting={self._waiting}, "
-                f"running={len(self.running)}, tenants={len(self.queues)}, blocked={self.blocked})")
+                f"running={len(self.running)}, tenants={len(self.tenants)}, blocked={self.blocked})")

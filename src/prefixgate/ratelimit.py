@@ -50,6 +50,11 @@ class TenantThrottle(Throttler):
             return 0.0
         return self._task_logs[0] + self.period - self.clock.now()
 
+    def in_window(self) -> int:
+        """Acquisitions still inside the sliding window."""
+        self.flush()
+        return len(self._task_logs)
+
     async def acquire(self) -> None:
         while not self.try_acquire():
             await self.clock.sleep(max(self.retry_after(), 1e-6))

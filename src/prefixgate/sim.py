@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .engine import EngineRequest, KvStats, SamplingCheck, Tokenizer
+from .engine import EngineRequest, KvStats, SamplingCheck, Tokenizer, check_max_tokens
 from .errors import EngineDead, InvalidRequest, PromptTooLong
 from .keys import Namespace
 from .sim_pool import OUTPUT_TOKEN, SimRequest, SimScheduler, StepPlan
@@ -306,12 +306,7 @@ class SimEngine:
         if not hasattr(sampling_params, "max_tokens"):
             raise InvalidRequest(f"sampling_params of type {type(sampling_params).__name__} has no "
                                  "max_tokens attribute")
-        max_tokens = sampling_params.max_tokens
-        if max_tokens is not None:
-            if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-                raise InvalidRequest(f"max_tokens must be an int or None, got {max_tokens!r}")
-            if max_tokens < 1:
-                raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}")
+        max_tokens = check_max_tokens(sampling_params.max_tokens)
         skip = getattr(sampling_params, "skip_reading_prefix_cache", None)
         if skip is None:
             skip = getattr(sampling_params, "prompt_logprobs", None) is not None

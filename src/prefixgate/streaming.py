@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from .errors import UsageError
+
 if TYPE_CHECKING:  # pragma: no cover
     from .gateway import Gateway
     from .ingress import IngressRequest
@@ -34,6 +36,7 @@ class ResponseStream(AsyncIterator[Any]):
         self._ticket = ticket
         self._agen: AsyncGenerator[Any, None] | None = None
         self._admitted = False
+        self._busy = False
 
     def _dispatched_early(self) -> None:
         self._admitted = True  # try_generate: already holds its slot and reservation
@@ -73,16 +76,20 @@ class ResponseStream(AsyncIterator[Any]):
         """Cache-hit tokens the engine reported (``num_cached_tokens``), once it did."""
         return None if self._ticket is None else self._ticket.cached_tokens
 
-    def __aiter__(self) -> AsyncIterator[Any]:
-        # ``async for`` iterates the serving generator itself: one layer less per output.
-        if self._agen is None:
-            self._agen = self._gateway._serve(self)
-        return self._agen
+    def __aiter__(self) -> ResponseStream:
+        return self
 
     async def __anext__(self) -> Any:
+        if self._busy:
+            raise UsageError(f"stream {self._request.request_id!r} is already being iterated by "
+                             "another task; iterate a stream from one task at a time")
         if self._agen is None:
             self._agen = self._gateway._serve(self)
-        return await self._agen.__anext__()
+        self._busy = True
+        try:
+            return await self._agen.__anext__()
+        finally:
+            self._busy = False
 
     async def aclose(self) -> None:
         """Ends the stream: aborts the engine request if running, dequeues it if waiting."""

@@ -8,12 +8,13 @@ faithful simulator of vLLM is :class:`prefixgate.sim.SimEngine`.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .clock import Clock, FakeClock
-from .engine import EngineRequest, KvStats, SamplingCheck
+from .engine import EngineRequest, KvStats, SamplingCheck, check_max_tokens
 from .errors import EngineDead, EngineError, InvalidRequest
 
 __all__ = ["ByteTokenizer", "FakeClock", "FakeCompletion", "FakeEngine", "FakeOutput",
@@ -113,9 +114,7 @@ class FakeEngine:
     def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
         if not isinstance(sampling_params, FakeSamplingParams):
             raise InvalidRequest("FakeEngine takes FakeSamplingParams")
-        if sampling_params.max_tokens is not None and sampling_params.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1")
-        return SamplingCheck(max_tokens=sampling_params.max_tokens)
+        return SamplingCheck(max_tokens=check_max_tokens(sampling_params.max_tokens))
 
     def kv_stats(self) -> KvStats | None:
         return self._stats
@@ -144,7 +143,8 @@ class FakeEngine:
         self.started.append(request.request_id)
         self.running.add(request.request_id)
         hits = self._hit_tokens(ids, request.cache_salt)
-        n = request.sampling_params.max_tokens or 16
+        room = max(1, self.max_model_len - len(ids))  # as vLLM: output stops at the context length
+        n = min(math.ceil(request.sampling_params.max_tokens or 16), room)
         out: tuple[int, ...] = ()
         try:
             for i in range(n):
@@ -201,8 +201,7 @@ class NullEngine:
         return FakeSamplingParams(max_tokens=1)
 
     def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
-        max_tokens = getattr(sampling_params, "max_tokens", None)
-        return SamplingCheck(max_tokens=max_tokens)
+        return SamplingCheck(max_tokens=check_max_tokens(getattr(sampling_params, "max_tokens", None)))
 
     def kv_stats(self) -> KvStats | None:
         return None

@@ -49,6 +49,10 @@ class Ticket:
         canonicalized: Whether canonicalization changed the prompt.
         chars_removed: Characters canonicalization removed.
         seq: Arrival sequence number (ties break on it).
+        failure: Why the gateway ended it before the engine saw it (set by the gateway).
+        kill: Why the gateway is ending it while the engine has it (stall, shutdown).
+        task: The task serving it while it is dispatched.
+        in_engine: Whether that task is waiting on the engine for an output now.
     """
 
     request_id: str
@@ -77,6 +81,10 @@ class Ticket:
     output_token_ids: tuple[int, ...] = ()
     granted: asyncio.Future[None] | None = field(default=None, repr=False)
     queue_key: Any = field(default=None, repr=False)
+    failure: Exception | None = field(default=None, repr=False)
+    kill: Exception | None = field(default=None, repr=False)
+    task: asyncio.Task[Any] | None = field(default=None, repr=False)
+    in_engine: bool = field(default=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

