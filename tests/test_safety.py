@@ -276,7 +276,8 @@ async def test_lone_surrogates_in_names_are_invalid_at_the_call(field):
             gw.generate("hi", SP, **{field: "bad \udc80 name"})
 
 
-@pytest.mark.parametrize("blank", [" ", "\n\n", "\u00a0\u00a0", "\u2028", "\u200b", "\ufeff", " \t\u3000\u200b"])
+@pytest.mark.parametrize("blank", [" ", "\n\n", "\u00a0\u00a0", "\u2028", "\u200b", "\ufeff",
+                                   " \t\u3000\u200b"])
 async def test_blank_prompts_are_invalid(blank):
     async with Gateway(FakeEngine()) as gw:
         with pytest.raises(InvalidRequest, match="blank|empty"):
