@@ -280,7 +280,7 @@ async def test_lone_surrogates_in_names_are_invalid_at_the_call(field):
                                    " \t\u3000\u200b"])
 async def test_blank_prompts_are_invalid(blank):
     async with Gateway(FakeEngine()) as gw:
-        with pytest.raises(InvalidRequest, match="blank|empty"):
+        with pytest.raises(InvalidRequest, match=r"blank|empty"):
             gw.generate(blank, SP)
 
 
