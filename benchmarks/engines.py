@@ -381,9 +381,19 @@ class VllmFactory:
         return f"VllmFactory({self.name!r}, model_dir={self.model_dir!r})"
 
 
-def make_gpu_model_dir(tokenizer_dir: str, dst: str) -> str:
-    """A Llama-3-8B-shaped model directory for dummy weights (as ``baseline_pressure.py``):
-    ``config.json`` written, the tokenizer files copied from ``tokenizer_dir``.
+_GPU_SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "num_hidden_layers": 32, "tie_word_embeddings": False},
+    # Llama-3.2-1B: faster steps, so the frontend's (and the gateway's) CPU cost shows more.
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "num_hidden_layers": 16, "tie_word_embeddings": True},
+})
+
+
+def make_gpu_model_dir(tokenizer_dir: str, dst: str, shape: str = "8b") -> str:
+    """A Llama-3-shaped model directory for dummy weights (as ``baseline_pressure.py``):
+    ``config.json`` written (``shape`` ``"8b"`` or ``"1b"``), the tokenizer files copied from
+    ``tokenizer_dir``.
     """
     import json
     import shutil
@@ -392,11 +402,10 @@ def make_gpu_model_dir(tokenizer_dir: str, dst: str) -> str:
     for name in os.listdir(tokenizer_dir):
         if name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(os.path.join(tokenizer_dir, name), dst)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-           "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "num_hidden_layers": 32, "vocab_size": 128256, "max_position_embeddings": 16384,
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_GPU_SHAPES[shape],
+           "vocab_size": 128256, "max_position_embeddings": 16384,
            "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
-           "tie_word_embeddings": False, "rope_theta": 500000.0}
+           "rope_theta": 500000.0}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f)
     return dst

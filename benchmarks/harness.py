@@ -95,13 +95,17 @@ class _ArmDriver:
 
     def __init__(self, arm: str, repeat: int, trace: Trace, engine: RunningEngine,
                  config: GatewayConfig | None, on_done: Callable[[], None], retries: int = 0,
-                 patience: Mapping[str | None, float] | None = None) -> None:
+                 patience: Mapping[str | None, float] | None = None,
+                 gateway_factory: Callable[[Any, Clock], Any] | None = None) -> None:
         self.arm = arm
         self.repeat = repeat
         self.trace = trace
         self.engine = engine
         self.clock: Clock = engine.clock
-        self.gateway = Gateway(engine.engine, config, clock=engine.clock) if arm == "L" else None
+        self.gateway: Any = None
+        if arm == "L":
+            self.gateway = (gateway_factory(engine.engine, engine.clock) if gateway_factory is not None
+                            else Gateway(engine.engine, config, clock=engine.clock))
         self.on_done = on_done
         self.retries = retries
         self.patience: Mapping[str | None, float] = patience or {}
@@ -252,7 +256,8 @@ async def run_arm(arm: str, repeat: int, trace: Trace, engine: RunningEngine,
                   config: GatewayConfig | None = None,
                   on_done: Callable[[], None] | None = None,
                   timeout: float | None = None, retries: int = 0,
-                  patience: Mapping[str | None, float] | None = None) -> ArmRun:
+                  patience: Mapping[str | None, float] | None = None,
+                  gateway_factory: Callable[[Any, Clock], Any] | None = None) -> ArmRun:
     """Runs one arm of ``trace`` once on ``engine`` (its prefix cache reset first).
 
     Args:
@@ -269,13 +274,16 @@ async def run_arm(arm: str, repeat: int, trace: Trace, engine: RunningEngine,
         patience: Per tenant, seconds (engine clock) after its arrival at which a client that
             has not finished gives up: it closes its stream (the request is aborted or dequeued)
             and the record is ``errored`` with ``abandoned`` set. Tenants not listed wait forever.
+        gateway_factory: L only: builds the gateway from ``(engine, clock)`` instead of
+            ``Gateway(engine, config)`` (another commit's gateway, for a same-run comparison).
 
     Returns:
         The run's records and counters.
     """
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; one of {ARMS}")
-    driver = _ArmDriver(arm, repeat, trace, engine, config, on_done or (lambda: None), retries, patience)
+    driver = _ArmDriver(arm, repeat, trace, engine, config, on_done or (lambda: None), retries, patience,
+                        gateway_factory)
     return await driver.run(timeout)
 
 

@@ -43,7 +43,7 @@ from .scenarios import Column, Session, Variant, accounted, check, summaries
 from .workloads import Trace, make_trace, shape_for
 
 __all__ = ["OVERLOAD_DURATION", "SLO_FACTOR", "admission_settings", "no_reject", "overload",
-           "reject_cost", "reject_micro", "retry_after_accuracy", "sustained"]
+           "overload_short", "reject_cost", "reject_micro", "retry_after_accuracy", "sustained"]
 
 SLO_FACTOR = 5.0
 OVERLOAD_LOAD = 2.0
@@ -220,6 +220,43 @@ async def overload(session: Session, size: str, seed: int) -> dict[str, Any]:
             "retry_after_accuracy": accuracy, "reject_cost": cost, "columns": _COLUMNS, "panels": _PANELS,
             "params": {"slo_ttft_s": slo, "slo_rule": _slo_rule("W4"), "admission": admission,
                        "duration_s": duration, "loads": [OVERLOAD_LOAD, REFERENCE_LOAD],
+                       "traces": {k: dict(t.params) for k, t in traces.items()}}}
+
+
+async def overload_short(session: Session, size: str, seed: int) -> dict[str, Any]:
+    """:func:`overload` cut to fit one 10-minute GPU call: capacity on a 1× burst, the arrival
+    window of ``--duration`` (default 15 s), and three variants: B1 and L at 2×, L at 0.8×."""
+    _, slo, admission = await _setup(session, "W4", size, seed, 1)
+    cap = session.notes["capacity_req_per_s"]
+    duration = session.duration or 15.0
+    tokenizer = session.factory.tokenizer()
+    traces = {f"{x}x": sustained("W4", size, seed, tokenizer, cap * x, duration, session.overrides)
+              for x in (OVERLOAD_LOAD, REFERENCE_LOAD)}
+    hi, lo = f"{OVERLOAD_LOAD}x", f"{REFERENCE_LOAD}x"
+    variants = [Variant(f"B1 @{hi}", "B1", hi), Variant(f"L @{hi}", "L", hi, admission),
+                Variant(f"L @{lo}", "L", lo, admission)]
+    runs = await session.run(variants, traces)
+    arms = summaries(variants, traces, runs, slo_ttft_s=slo, extra=_extra)
+    lh, b1, l_lo = arms[f"L @{hi}"], arms[f"B1 @{hi}"], arms[f"L @{lo}"]
+    checks = [
+        check(f"L @{hi}: engine preemptions (max over repeats) == 0",
+              max(r["preemptions"] for r in lh["repeats"]), 0, "=="),
+        check(f"L @{hi} goodput >= 1.5 x B1's", lh["goodput_req_per_s"],
+              _times(1.5, b1["goodput_req_per_s"]), ">="),
+        check(f"L @{hi} p99 TTFT of admitted <= 1.5 x L's at {lo}", lh["ttft_p99_s"],
+              _times(1.5, l_lo["ttft_p99_s"])),
+        check("every request accounted for (completed + rejected + errored == offered)",
+              float(accounted(arms)), 1.0, "=="),
+    ]
+    unloaded = session.notes["unloaded"]
+    summary = {"SLO": f"TTFT <= {slo:.3f} s = {SLO_FACTOR:g} x unloaded cold TTFT "
+                      f"{unloaded['cold_ttft_s']:.3f} s (warm {unloaded['warm_ttft_s']:.3f} s)",
+               "admission": admission}
+    return {"workload": "W4", "arms": arms, "checks": checks, "summary": summary,
+            "columns": _COLUMNS, "panels": _PANELS,
+            "params": {"slo_ttft_s": slo, "slo_rule": _slo_rule("W4"), "admission": admission,
+                       "duration_s": duration, "loads": [OVERLOAD_LOAD, REFERENCE_LOAD],
+                       "capacity_burst": 1,
                        "traces": {k: dict(t.params) for k, t in traces.items()}}}
 
 

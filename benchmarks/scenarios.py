@@ -17,6 +17,10 @@ noisy          4      four quiet tenants at rate r, with and without a noisy one
 overload       5      W4 Poisson at 2× capacity for a sustained window vs 0.8×: preemptions,
                       goodput under a TTFT SLO from an unloaded W4 request, TTFT of admitted
                       requests, accounting, reject cost, retry_after accuracy (``overload.py``)
+flood          10     a flood of identical prompts at 1.25× capacity for 60 s and 200 s, and one
+                      different prompt at t = 0.5 s: its queue wait against the flood's median
+                      (aging must hold against an endless group of riders)
+overload-short 5, 9   ``overload`` cut to fit one GPU call: 1× capacity burst, 15 s, B1/L at 2×, L 0.8×
 no-reject      5      W1 at 0.8× capacity with the same admission rule: nothing refused
 reject-cost    5      the refusal path alone (``generate()`` → ``Overloaded``), timed 2000 times
 =============  =====  ===========================================================================
@@ -40,7 +44,7 @@ from prefixgate.config import TenantLimits
 from .engines import EngineFactory, RunningEngine
 from .harness import code_version, gateway_config, measure_capacity, progress_bar, run_arm, say
 from .metrics import ArmRun, arm_metrics, jsonable, quantile, summarize
-from .workloads import Trace, make_trace, tenant_mix
+from .workloads import Trace, TraceRequest, make_trace, tenant_mix
 
 __all__ = ["SCENARIOS", "Column", "Session", "Variant", "check", "format_scenario", "run_scenario",
            "workload_checks"]
@@ -347,6 +351,77 @@ async def starvation(session: Session, size: str, seed: int) -> dict[str, Any]:
                        "capacity_arm": "L (prefix policy, the window, burst)"}}
 
 
+FLOOD_DURATIONS = (60.0, 200.0)
+FLOOD_LOAD = 1.1
+FLOOD_BURST_S = 3.0  # the flood opens with this many seconds of capacity at once
+FLOOD_ODD_AT = 0.5
+
+
+def _flood_trace(base: Trace, odd: TraceRequest, capacity: float, duration: float) -> Trace:
+    """``base``'s first prompt, identical: a burst of ``FLOOD_BURST_S`` × ``capacity`` requests at
+    t = 0, then Poisson at ``FLOOD_LOAD`` × capacity for ``duration`` seconds; ``odd`` (marked
+    cold) arrives at ``FLOOD_ODD_AT`` seconds, behind the burst."""
+    import random
+
+    rng = random.Random(f"flood-{duration}")
+    flood = base.requests[0]
+    rate = capacity * FLOOD_LOAD
+    requests = [dataclasses.replace(flood, arrival=0.0, group=0, cold=False)
+                for _ in range(int(capacity * FLOOD_BURST_S))]
+    t = rng.expovariate(rate)
+    while t < duration:
+        requests.append(dataclasses.replace(flood, arrival=t, group=0, cold=False))
+        t += rng.expovariate(rate)
+    requests.append(dataclasses.replace(odd, arrival=FLOOD_ODD_AT, group=1, cold=True))
+    requests.sort(key=lambda r: r.arrival)
+    arrivals = dataclasses.replace(base.arrivals, kind="poisson", rate=rate, capacity_multiple=None)
+    params = {**base.params, "flood_duration_s": duration, "rate": rate, "requests": len(requests)}
+    return dataclasses.replace(base, requests=tuple(requests), arrivals=arrivals, params=params)
+
+
+async def flood(session: Session, size: str, seed: int) -> dict[str, Any]:
+    """Identical prompts (every one a rider of the last): a burst, then ``FLOOD_LOAD`` × capacity
+    for 60 s and 200 s, and one different prompt at 0.5 s; prefix policy with aging, without
+    aging, FCFS."""
+    tokenizer = session.factory.tokenizer()
+    base = make_trace("W1", size, seed=seed, tokenizer=tokenizer,
+                      overrides={"groups": 2, "per_group": 1, **session.overrides})
+    odd = next(r for r in base.requests if r.group != base.requests[0].group)
+    await session.start(base.kv_cap_tokens)
+    burst = dataclasses.replace(base, requests=(base.requests[0],) * 256)
+    cap = await session.capacity(burst, arm="L")
+    durations = (session.duration,) if session.duration else FLOOD_DURATIONS
+    traces = {f"{d:g}s": _flood_trace(base, odd, cap, d) for d in durations}
+    no_aging = {"min_aging_wait": 1e9}
+    variants = []
+    for name in traces:
+        variants += [Variant(f"L {name}", "L", name), Variant(f"L no-aging {name}", "L", name, no_aging),
+                     Variant(f"L fcfs {name}", "L", name, {"ordering": "fcfs"})]
+    runs = await session.run(variants, traces)
+    arms = summaries(variants, traces, runs, extra=_starvation_extra)
+    checks = []
+    for name in traces:
+        m = arms[f"L {name}"]
+        checks.append(check(f"L {name}: the odd request's wait <= max_wait_factor (2) x the flood's median",
+                            m["max_cold_queue_wait_s"], _times(2, m["queue_wait_p50_s"])))
+    if len(traces) == 2:
+        a, b = (arms[f"L {n}"]["max_cold_queue_wait_s"] for n in traces)
+        checks.append(check("L: the odd wait differs by <= 10% between the two floods",
+                            abs(b - a) / a if a else None, 0.10))
+    checks.append(check("every request accounted for", float(accounted(arms)), 1.0, "=="))
+    return {"workload": "flood", "arms": arms, "checks": checks,
+            "columns": [Column("max_cold_queue_wait_s", "odd wait", ".3f"),
+                        Column("queue_wait_p50_s", "flood wait p50", ".3f"),
+                        Column("queue_wait_p99_s", "wait p99", ".3f"),
+                        Column("aged_dispatches", "aged", ".0f"), Column("req_per_s", "req/s", ".2f"),
+                        Column("completed", "done", ".0f")],
+            "panels": [["max_cold_queue_wait_s", "the odd request's queue wait (s)"],
+                       ["queue_wait_p50_s", "flood median queue wait (s)"],
+                       ["req_per_s", "throughput (req/s)"]],
+            "params": {"load": FLOOD_LOAD, "burst_s": FLOOD_BURST_S, "odd_at_s": FLOOD_ODD_AT,
+                       "durations_s": list(durations)}}
+
+
 def _times(factor: float, value: float | None) -> float | None:
     return None if value is None else factor * value
 
@@ -456,13 +531,13 @@ ScenarioFn = Callable[[Session, str, int], Awaitable[dict[str, Any]]]
 
 
 def _registry() -> dict[str, ScenarioFn]:
-    from .overload import no_reject, overload, reject_micro
+    from .overload import no_reject, overload, overload_short, reject_micro
 
-    return {"starvation": starvation, "noisy": noisy, "overload": overload, "no-reject": no_reject,
-            "reject-cost": reject_micro}
+    return {"starvation": starvation, "flood": flood, "noisy": noisy, "overload": overload,
+            "overload-short": overload_short, "no-reject": no_reject, "reject-cost": reject_micro}
 
 
-SCENARIOS = ("starvation", "noisy", "overload", "no-reject", "reject-cost")
+SCENARIOS = ("starvation", "flood", "noisy", "overload", "overload-short", "no-reject", "reject-cost")
 
 
 async def run_scenario(name: str, factory: EngineFactory, *, size: str, seed: int = 0, repeats: int = 3,

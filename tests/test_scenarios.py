@@ -53,7 +53,8 @@ def test_the_cli_knows_every_scenario():
     assert parse_args(["--scenario", "overload", "--engine", "sim", "--duration", "5"]).duration == 5.0
     with pytest.raises(SystemExit):
         parse_args(["--scenario", "overload", "--workload", "W1"])
-    assert set(SCENARIOS) == {"starvation", "noisy", "overload", "no-reject", "reject-cost"}
+    assert set(SCENARIOS) == {"starvation", "flood", "noisy", "overload", "overload-short", "no-reject",
+                              "reject-cost"}
 
 
 async def test_unknown_scenario_is_refused():

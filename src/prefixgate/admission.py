@@ -48,20 +48,23 @@ class BlockLedger:
     one passes through any more, whatever their length.
 
     Invariant: ``reserved == len(shared blocks held) + sum(private blocks)``,
-    ``reserved + free == capacity`` and ``0 <= reserved <= capacity`` at all times; a ticket
-    holds at most one reservation, and releasing it twice releases nothing the second time.
+    ``reserved + free == capacity`` and ``0 <= reserved <= capacity + overcommit`` at all times;
+    a ticket holds at most one reservation, and releasing it twice releases nothing the second
+    time.
 
     Args:
         capacity: The engine's KV capacity in blocks.
+        overcommit: Blocks that reservations may take beyond ``capacity`` (the lookahead).
 
     Raises:
-        ValueError: If ``capacity`` is negative.
+        ValueError: If ``capacity`` or ``overcommit`` is negative.
     """
 
-    def __init__(self, capacity: int) -> None:
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
+    def __init__(self, capacity: int, overcommit: int = 0) -> None:
+        if capacity < 0 or overcommit < 0:
+            raise ValueError(f"capacity and overcommit must be >= 0, got {capacity}, {overcommit}")
         self.capacity = capacity
+        self.overcommit = overcommit
         self.reserved = 0
         self._held: dict[int, tuple[Run | None, int, int]] = {}  # id -> (last run, shared, private)
         self._tree = ChainTree()
@@ -90,8 +93,8 @@ class BlockLedger:
         return len(shared) - self._tree.match(shared)[0] + private
 
     def can_reserve(self, blocks: int) -> bool:
-        """Whether ``blocks`` more would fit. Pure."""
-        return 0 <= blocks <= self.free
+        """Whether ``blocks`` more would fit (the overcommit included). Pure."""
+        return 0 <= blocks <= self.free + self.overcommit
 
     def reserve(self, ticket: Ticket, shared: Sequence[Hashable], private: int) -> int:
         """Reserves ``shared`` (a chain of whole-prefix keys) and ``private`` blocks for
@@ -259,20 +262,28 @@ class Admission:
         them and using them takes them out of it), plus its private blocks. Pure."""
         return self.ledger.need(*self.split(ticket))
 
-    def blocked_reason(self, blocks: int) -> str | None:
-        """Why ``blocks`` more cannot be dispatched now, or ``None`` if they can. Pure."""
+    def blocked_reason(self, blocks: int, ahead: bool = False) -> str | None:
+        """Why ``blocks`` more cannot be dispatched now, or ``None`` if they can. With
+        ``ahead``, the ledger's overcommit (the lookahead) counts as free. Pure."""
         if len(self.ledger) == 0:
             return None  # idle engine: always let one through, whatever its stats say
-        if blocks > self.ledger.free - self.watermark_blocks:
+        extra = self.ledger.overcommit if ahead else 0
+        if blocks > self.ledger.free - self.watermark_blocks + extra:
             return "kv_reserved"
         stats = self.kv_stats()
         if stats is None:
             return None  # an engine without stats: the ledger alone decides
         if self.clock.now() - max(stats.time, self.busy_since) > self.stats_max_age:
             return "kv_stats_stale"
-        if blocks > stats.free_blocks - self.watermark_blocks:
+        if blocks > stats.free_blocks - self.watermark_blocks + extra:
             return "kv_free_low"
         return None
+
+    def may_look_ahead(self, ticket: Ticket) -> bool:
+        """Whether ``ticket`` may use the lookahead: its whole output fits in one block, so once
+        vLLM runs it, it needs at most one block more (no decode growth to preempt others for)."""
+        return bool(self.ledger.overcommit) and ticket.max_tokens is not None \
+            and ticket.max_tokens <= self.block_size
 
     def reserve(self, ticket: Ticket, shared: Sequence[Hashable] | None = None,
                 private: int | None = None) -> int:

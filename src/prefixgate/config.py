@@ -96,6 +96,12 @@ class GatewayConfig:
             ``None`` (the default) reserves what vLLM may generate: up to the model's context.
             A number is an assumption: a request that generates more may be preempted.
         kv_watermark: Share of the engine's KV blocks always kept free.
+        kv_lookahead: Share of the KV budget that may be dispatched beyond it, for requests whose
+            whole output fits in one block (``max_tokens <= block_size``): they wait in vLLM's
+            own queue, so when blocks free vLLM starts the next prompt at its next step (chunk
+            by chunk) instead of after the gateway hears of the completion. 0 (the default)
+            dispatches only what fits; above 0, requests within the lookahead are not covered
+            by the no-preemption guarantee.
         stats_max_age: Engine KV stats older than this many seconds count as "full".
         stall_timeout: If the engine makes no progress (no output for any request and no
             scheduler step) for this many seconds while requests are in flight, they end with
@@ -133,6 +139,7 @@ class GatewayConfig:
     output_reserve: float = 1.0
     default_output_tokens: int | None = None
     kv_watermark: float = 0.01
+    kv_lookahead: float = 0.0
     stats_max_age: float = 2.0
     stall_timeout: float | None = 60.0
     max_queue_wait: float | None = None
@@ -158,6 +165,7 @@ class GatewayConfig:
         _check("default_output_tokens", self.default_output_tokens is None or self.default_output_tokens >= 1,
                self.default_output_tokens, ">= 1 or None")
         _check("kv_watermark", 0 <= self.kv_watermark < 1, self.kv_watermark, "in [0, 1)")
+        _check("kv_lookahead", 0 <= self.kv_lookahead <= 1, self.kv_lookahead, "in [0, 1]")
         _check("stats_max_age", self.stats_max_age > 0, self.stats_max_age, "positive")
         if self.known_tenants is not None:
             _check("known_tenants", not isinstance(self.known_tenants, str)

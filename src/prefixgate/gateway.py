@@ -82,7 +82,7 @@ class Gateway:
         self._mirror = PrefixMirror(engine.num_blocks)
         capacity = int(engine.num_blocks * config.kv_budget)
         self._admission = Admission(
-            BlockLedger(capacity), block_size=engine.block_size,
+            BlockLedger(capacity, int(capacity * config.kv_lookahead)), block_size=engine.block_size,
             output_reserve=config.output_reserve,
             default_output_tokens=config.default_output_tokens,
             watermark_blocks=int(engine.num_blocks * config.kv_watermark),

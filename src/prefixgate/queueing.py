@@ -481,7 +481,8 @@ class Scheduler:
             queued = True
             try:
                 shared, private = admission.split(ticket)
-                reason = admission.blocked_reason(admission.ledger.need(shared, private))
+                reason = admission.blocked_reason(admission.ledger.need(shared, private),
+                                                  admission.may_look_ahead(ticket))
                 if reason is not None:
                     self.blocked = reason
                     break

