@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from prefixgate import EngineRequest, Gateway, InvalidRequest, PromptTooLong
+from prefixgate import EngineRequest, Gateway, GatewayConfig, InvalidRequest, PromptTooLong
 from prefixgate.keys import cacheable_blocks
 
 pytestmark = pytest.mark.vllm
@@ -83,15 +83,17 @@ async def test_engine_facts_are_read_at_runtime(vllm_engine):
     assert "VllmEngine(" in repr(vllm_engine)
 
 
-async def test_predicted_hits_equal_vllm_num_cached_tokens_per_request(vllm_engine):
-    """A shared-prefix trace, sequential and in bursts: every prediction is exact."""
+@pytest.mark.parametrize("ingress", ["processes", "threads", "inline"])
+async def test_predicted_hits_equal_vllm_num_cached_tokens_per_request(vllm_engine, ingress):
+    """A shared-prefix trace, sequential and in bursts: every prediction is exact, wherever
+    ingress runs."""
     await fresh(vllm_engine)
     rng = random.Random(7)
     systems = [prose(rng, 40) for _ in range(3)]  # ~500 tokens each: 3-4 full blocks
     prompts = [f"{systems[i % 3]}\nQuestion {i}: {prose(rng, 1, rng.randint(5, 200))}"
                for i in range(18)]
     streams = []
-    async with Gateway.for_vllm(vllm_engine) as gw:
+    async with Gateway.for_vllm(vllm_engine, GatewayConfig(ingress=ingress)) as gw:
         for i in range(6):  # one by one
             streams.append((await run(gw, prompts[i], f"seq-{i}"))[0])
         for start in (6, 12):  # two bursts of six, all in flight together

