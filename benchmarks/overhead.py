@@ -269,9 +269,32 @@ async def _huge(tokenizer: Any, normal: Sequence[str], huge_chars: int, repeats:
             "repeats_ms": {"without": [x * 1e3 for x in without], "with": [x * 1e3 for x in with_]}}
 
 
+async def _cost_before(package: str, tokenizer: Any, prompts: Sequence[str], tokenize_ns: Sequence[int],
+                       warmup: int) -> dict[str, Any]:
+    """The same cost measurement through an earlier commit's gateway (text prompts, its own
+    inline ingress): ``package`` is that commit's ``src/prefixgate`` importable under a name."""
+    import importlib
+
+    old = importlib.import_module(package)
+    from prefixgate.testing import FakeSamplingParams
+
+    engine = _engine(tokenizer)
+    params = FakeSamplingParams(max_tokens=1)
+    gw = old.Gateway(engine, old.GatewayConfig())
+    for prompt in prompts[:warmup]:
+        await _one(gw, prompt, params)
+    costs = []
+    for i, prompt in enumerate(prompts):
+        c0 = _cpu_ns(())
+        await _one(gw, prompt, params)
+        costs.append((_cpu_ns(()) - c0 - tokenize_ns[i]) / 1000)
+    await gw.aclose()
+    return {"package": package, "us_p50": _pct(costs, 0.5), "us_p99": _pct(costs, 0.99)}
+
+
 def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | None = None,
                  core: int | None = 0, throughput_s: float = 3.0, huge_chars: int = 2_000_000,
-                 huge_repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+                 huge_repeats: int = 3, seed: int = 0, before: str | None = None) -> dict[str, Any]:
     """Runs M1 and returns the JSON-ready result (see the module docstring)."""
     from transformers import AutoTokenizer
 
@@ -310,6 +333,8 @@ def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | 
             stages = asyncio.run(_stages(tokenizer, texts[warm:]))
             stages_pre = asyncio.run(_stages(tokenizer, ids[warm:]))
             rate = asyncio.run(_throughput(tokenizer, ids, throughput_s))
+            old = None if before is None else asyncio.run(
+                _cost_before(before, tokenizer, texts[warm:], tok_ns[warm:], warm))
             entry = {
                 "tokens_mean": statistics.fmean(len(i) for i in ids), "requests": n,
                 "gateway_us_p50": text_default["us_p50"], "gateway_us_p99": text_default["us_p99"],
@@ -320,6 +345,8 @@ def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | 
                 "pretokenized": {"gateway_us_p50": pre["us_p50"], "gateway_us_p99": pre["us_p99"],
                                  "stages": stages_pre, "max_req_per_s": rate},
             }
+            if old is not None:
+                entry["before"] = old
             out["sizes"][str(size)] = entry
             print(_row(size, entry), flush=True)
         if "2048" in out["sizes"]:
@@ -356,6 +383,10 @@ def format_table(result: Mapping[str, Any]) -> str:
         lines.append(f"{size:>7}{e['ingress_mode']:>20}{e['gateway_us_p50']:9.1f}{e['gateway_us_p99']:9.1f}"
                      f"{e['inline']['gateway_us_p50']:9.1f}{e['tokenize_us_p50']:10.1f}"
                      f"{pre['gateway_us_p50']:9.1f}{pre['gateway_us_p99']:9.1f}{pre['max_req_per_s']:11.0f}")
+    befores = {size: e["before"] for size, e in result["sizes"].items() if "before" in e}
+    for size, b in befores.items():
+        lines.append(f"{size:>7}  before ({b['package']}): gw p50 {b['us_p50']:.1f} µs, "
+                     f"p99 {b['us_p99']:.1f} µs")
     lines.append("stages (inline, text; µs p50): " + ", ".join(STAGES))
     for size, e in result["sizes"].items():
         lines.append(f"{size:>7}  " + "  ".join(f"{e['stages'][s] or 0:7.1f}" for s in STAGES)
@@ -408,13 +439,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--throughput-seconds", type=float, default=3.0)
     p.add_argument("--huge-chars", type=int, default=2_000_000)
     p.add_argument("--huge-repeats", type=int, default=3, help="0 skips the huge-prompt check")
+    p.add_argument("--before", metavar="DIR/PACKAGE",
+                   help="also measure an earlier commit's gateway: its src/prefixgate as a package dir")
     args = p.parse_args(argv)
+    before = None
+    if args.before:
+        path = Path(args.before).resolve()
+        sys.path.insert(0, str(path.parent))
+        before = path.name
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sizes = [int(s) for s in args.sizes.split(",")]
     requests = {s: args.requests for s in sizes} if args.requests else None
     result = run_overhead(sizes=sizes, requests=requests, core=None if args.core < 0 else args.core,
                           throughput_s=args.throughput_seconds, huge_chars=args.huge_chars,
-                          huge_repeats=args.huge_repeats)
+                          huge_repeats=args.huge_repeats, before=before)
     print(format_table(result), flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

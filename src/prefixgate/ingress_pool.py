@@ -131,6 +131,7 @@ class _Worker:
         self.chars = 0  # characters of the jobs it holds
         self.reader: asyncio.Task[None] | None = None
         self.dead: BaseException | None = None
+        self.outbox: list[tuple[int, Any]] = []  # jobs to write at the end of this loop iteration
 
 
 class ProcessIngressPool:
@@ -209,20 +210,32 @@ class ProcessIngressPool:
         if worker.dead is not None:
             raise IngressPoolError(f"ingress worker {worker.name} died") from worker.dead
         job = next(self._ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         worker.pending[job] = future
         worker.chars += chars
-        data = pickle.dumps((job, message), protocol=pickle.HIGHEST_PROTOCOL)
-        stdin = worker.process.stdin
-        assert stdin is not None
+        if not worker.outbox:  # jobs handed over in one loop iteration go in one write
+            loop.call_soon(self._flush, worker)
+        worker.outbox.append((job, message))
         try:
-            stdin.write(_HEADER.pack(len(data)) + data)
-            if stdin.transport.get_write_buffer_size() > 1 << 20:
+            stdin = worker.process.stdin
+            if stdin is not None and stdin.transport.get_write_buffer_size() > 1 << 20:
                 await stdin.drain()
             return await future
         finally:
             worker.pending.pop(job, None)
             worker.chars -= chars
+
+    def _flush(self, worker: _Worker) -> None:
+        batch, worker.outbox = worker.outbox, []
+        stdin = worker.process.stdin
+        if not batch or stdin is None or worker.dead is not None:
+            return
+        data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            stdin.write(_HEADER.pack(len(data)) + data)
+        except (ConnectionError, RuntimeError) as e:  # the worker's end is gone: its reader reports it
+            worker.dead = e
 
     async def _read(self, worker: _Worker) -> None:
         stdout = worker.process.stdout
