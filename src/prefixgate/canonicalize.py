@@ -2,62 +2,130 @@
 
 One stray space inside a shared system prompt changes every block hash after it and the prefix
 cache is worth nothing (measured on an H200 with vLLM 0.26: 95% token hit rate down to 13%).
-The rules here only touch whitespace, each is a switch, and every call reports what changed.
-Lowercasing or any other edit of non-whitespace characters is never done.
+The rules here only touch whitespace and invisible format characters, each is a switch, and every
+call reports per rule what it changed. Lowercasing or any other edit of visible characters is
+never done (``unicode_nfc``, off in every rule set, is the one exception).
 
-Rules, applied in this order (all default on but ``unicode_nfc``):
+Rule sets (:data:`RULE_SETS`, ``CanonicalizeConfig.named(name)``):
 
-``newlines``
-    CRLF and lone CR become LF.
-``trailing_whitespace``
-    Spaces and tabs at the end of a line are removed.
-``inner_spaces``
-    Inside a line, a run of two or more spaces/tabs, or a single tab, becomes one space.
-    Leading indentation is kept unless ``keep_indentation=False`` (indentation is meaning in
-    code and YAML).
-``blank_lines``
-    Two or more consecutive blank (whitespace-only) lines become one empty line.
-``unicode_nfc``
-    Unicode NFC normalization. Off by default: it can change non-whitespace characters
-    (composes ``e`` + combining acute into ``é``), which changes what the model reads.
+``safe`` (the default)
+    Never changes what a parser reads: the meaning corpus in ``tests/corpus`` (Python, JSON,
+    YAML, CSV/TSV, Markdown rendered to HTML, prose) parses the same before and after, whole and
+    inside fences. CRLF→LF, trailing spaces, runs of spaces, runs of blank lines, with these left
+    alone: code (fenced and indented blocks, triple-quoted strings, YAML block scalars), quoted
+    text (``"…"``, ``'…'``, ```…```), data (tab characters and any line holding one, CSV-like
+    paragraphs, YAML keys, values and ``- items``), Markdown hard breaks and list-marker spacing.
+``prose``
+    For natural-language text you wrote yourself (system prompts): also Unicode spaces → space,
+    zero-width characters removed, tabs inside lines are spaces; only code stays protected.
+``aggressive``
+    ``prose`` without protecting code, plus JSON re-layout and tab indentation → spaces. Can
+    change the meaning of code and data (trailing spaces in a Python string, TSV columns).
+``legacy``
+    The 0.1 default, kept for comparison: like ``prose`` minus the Unicode rules and minus any
+    protection. Merges TSV columns and breaks Markdown hard breaks.
+``off``
+    The identity.
+
+Rules, in the order they apply; each is a field of :class:`CanonicalizeConfig`:
+
+``newlines``         CRLF and lone CR become LF (everywhere, code included: every parser above
+                     reads both as one line break).
+``zero_width``       U+200B, U+2060 and U+FEFF are removed. ZWJ/ZWNJ (emoji, Indic and Persian
+                     scripts) and directional marks are never touched.
+``unicode_spaces``   Other Unicode space separators (NBSP, thin, ideographic …) become a space.
+``json``             JSON in ```json fences, whole messages and blank-line-delimited paragraphs
+                     that start with ``{``/``[`` is re-laid out (indent 2) token by token: only the
+                     whitespace between tokens changes. Text that does not parse is left alone.
+``tab_indent``       Tabs in a line's indentation become spaces (stops of ``tab_size``).
+``trailing_whitespace`` Spaces (and with ``tabs`` tabs) at line ends are removed.
+``inner_spaces``     Inside a line, a run of two or more spaces becomes one. Indentation is kept
+                     unless ``keep_indentation=False`` (which flattens code; no rule set does it).
+``tabs``             Tabs inside a line count as spaces: a run holding a tab becomes one space.
+``blank_lines``      Two or more consecutive blank lines become one empty line.
+``unicode_nfc``      Unicode NFC; off everywhere: it changes visible characters.
+
+Everything a protection covers is left byte-identical apart from ``newlines``. The work is a
+cheap scan when nothing is to change and about one pass over the lines with something to change
+when something is; the function is pure (no state outlives a call), so threads may share it.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import enum
+import json
 import re
 import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 __all__ = [
+    "RULE_SETS",
     "CanonicalizeConfig",
     "Canonicalized",
+    "Rule",
+    "RuleCount",
     "canonicalize_messages",
     "canonicalize_text",
 ]
 
-_NL = r"(?:\r\n|\r(?!\n)|\n)"
-_CRLF = re.compile(r"\r\n?")
-_TRAILING = re.compile(r"[ \t]+(?=\r\n|\r|\n|\Z)")
-# A run of spaces/tabs that follows a non-whitespace character on its line: not indentation.
-_INNER = re.compile(r"(?<=[^ \t\r\n])(?:[ \t]{2,}|\t)(?=[^\r\n])")
-_INNER_ANYWHERE = re.compile(r"(?:[ \t]{2,}|\t)(?=[^\r\n])")
-_BLANK_RUN = re.compile(rf"({_NL})(?:[ \t]*{_NL}){{2,}}")
+
+class Rule(enum.StrEnum):
+    """The rules, by the name under which :class:`Canonicalized` reports them."""
+
+    NEWLINES = "newlines"
+    ZERO_WIDTH = "zero_width"
+    UNICODE_SPACES = "unicode_spaces"
+    JSON = "json"
+    TAB_INDENT = "tab_indent"
+    TRAILING_WHITESPACE = "trailing_whitespace"
+    INNER_SPACES = "inner_spaces"
+    TABS = "tabs"
+    BLANK_LINES = "blank_lines"
+    UNICODE_NFC = "unicode_nfc"
+
+
+ZERO_WIDTH_CHARS = "\u200b\u2060\ufeff"
+"""Removed by ``zero_width``: zero-width space, word joiner, BOM (zero-width no-break space)."""
+UNICODE_SPACE_CHARS = "\u00a0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u202f\u205f\u3000"
+"""Turned into a space by ``unicode_spaces``: Unicode's space separators (Zs) other than U+0020."""
 
 
 @dataclass(frozen=True, slots=True)
 class CanonicalizeConfig:
-    """Which whitespace rules to apply. See the module docstring for what each one does.
+    """Which rules apply and what they leave alone. ``CanonicalizeConfig()`` is the ``safe`` set.
+
+    Invariant: with the default protections on, the output parses like the input in every format
+    of the meaning corpus (see the module docstring); rules and protections are independent
+    switches, so any other combination is the caller's choice.
 
     Attributes:
-        enabled: Master switch; ``False`` makes canonicalization the identity.
+        enabled: Master switch; ``False`` makes canonicalization the identity (roles included).
         newlines: CRLF/CR to LF.
-        trailing_whitespace: Strip spaces and tabs at line ends.
-        inner_spaces: Collapse runs of spaces/tabs inside a line to one space.
-        keep_indentation: With ``inner_spaces``, leave leading indentation untouched.
+        trailing_whitespace: Strip spaces (with ``tabs`` also tabs) at line ends.
+        inner_spaces: Collapse runs of two or more spaces inside a line to one.
+        keep_indentation: ``False`` also collapses indentation (flattens Python and YAML).
         blank_lines: Collapse runs of blank lines to one.
-        unicode_nfc: Apply Unicode NFC (off by default: it can alter non-whitespace characters).
+        tabs: Tabs inside and at the end of lines count as spaces (merges TSV columns).
+        unicode_spaces: Unicode space separators to an ASCII space.
+        zero_width: Remove U+200B, U+2060, U+FEFF.
+        json: Re-lay out JSON blocks (fenced ``json``, whole message, ``{``/``[`` paragraphs).
+        tab_indent: Tabs in indentation to spaces, up to the next multiple of ``tab_size``.
+        tab_size: Tab stop width for ``tab_indent`` and for measuring indentation.
+        unicode_nfc: Unicode NFC (changes non-whitespace characters; in no rule set).
+        protect_code: Leave fenced and indented code blocks, triple-quoted strings and YAML block
+            scalars alone.
+        protect_quotes: Leave text inside ``"…"``, ``'…'`` and backtick spans alone.
+        protect_data: Leave lines holding a tab, CSV-like paragraphs, YAML keys, values and
+            sequence items alone.
+        protect_markdown: Keep Markdown hard breaks (two trailing spaces before a non-blank
+            line) and the spacing after list and quote markers.
+        roles: Per chat role, the config for that role's messages (names of :data:`RULE_SETS`
+            are accepted); other roles use this config.
     """
 
     enabled: bool = True
@@ -66,12 +134,86 @@ class CanonicalizeConfig:
     inner_spaces: bool = True
     keep_indentation: bool = True
     blank_lines: bool = True
+    tabs: bool = False
+    unicode_spaces: bool = False
+    zero_width: bool = False
+    json: bool = False
+    tab_indent: bool = False
+    tab_size: int = 4
     unicode_nfc: bool = False
+    protect_code: bool = True
+    protect_quotes: bool = True
+    protect_data: bool = True
+    protect_markdown: bool = True
+    roles: Mapping[str, CanonicalizeConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tab_size, int) or not 1 <= self.tab_size <= 16:
+            raise ValueError(f"CanonicalizeConfig.tab_size must be an int in [1, 16], got {self.tab_size!r}")
+        if not isinstance(self.roles, Mapping):
+            raise ValueError("CanonicalizeConfig.roles must map role names to configs or rule-set names")
+        roles: dict[str, CanonicalizeConfig] = {}
+        for role, value in self.roles.items():
+            config = CanonicalizeConfig.named(value) if isinstance(value, str) else value
+            if not isinstance(role, str) or not isinstance(config, CanonicalizeConfig) or config.roles:
+                raise ValueError(f"CanonicalizeConfig.roles[{role!r}] must be a rule-set name or a "
+                                 f"CanonicalizeConfig without roles of its own, got {value!r}")
+            roles[role] = config
+        object.__setattr__(self, "roles", MappingProxyType(roles))
 
     @classmethod
     def off(cls) -> CanonicalizeConfig:
         """A config that changes nothing."""
         return cls(enabled=False)
+
+    @classmethod
+    def named(cls, name: str, **changes: Any) -> CanonicalizeConfig:
+        """A rule set of :data:`RULE_SETS` by name, with some fields changed.
+
+        Raises:
+            ValueError: For an unknown name (the message lists the known ones).
+        """
+        try:
+            base = RULE_SETS[name]
+        except KeyError:
+            raise ValueError(f"unknown canonicalization rule set {name!r}; "
+                             f"one of {sorted(RULE_SETS)}") from None
+        return dataclasses.replace(base, **changes) if changes else base
+
+    def for_role(self, role: object) -> CanonicalizeConfig:
+        """The config that applies to a message of ``role``."""
+        if not self.enabled:
+            return self
+        return self.roles.get(role, self) if isinstance(role, str) else self
+
+
+_SAFE = CanonicalizeConfig()
+_PROSE = dataclasses.replace(_SAFE, tabs=True, unicode_spaces=True, zero_width=True, protect_quotes=False,
+                             protect_data=False, protect_markdown=False)
+RULE_SETS: Mapping[str, CanonicalizeConfig] = MappingProxyType({
+    "safe": _SAFE,
+    "prose": _PROSE,
+    "aggressive": dataclasses.replace(_PROSE, json=True, tab_indent=True, protect_code=False),
+    "legacy": dataclasses.replace(_SAFE, tabs=True, protect_code=False, protect_quotes=False,
+                                  protect_data=False, protect_markdown=False),
+    "off": CanonicalizeConfig(enabled=False),
+})
+"""Rule sets by name (see the module docstring)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RuleCount:
+    """What one rule changed.
+
+    Attributes:
+        edits: Substitutions it made (a run, a line end, a character, a JSON block).
+        chars_changed: Input characters it replaced or removed.
+        chars_removed: Characters it removed net (negative when it added, as JSON layout may).
+    """
+
+    edits: int
+    chars_changed: int
+    chars_removed: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,34 +225,921 @@ class Canonicalized:
         changed: Whether anything differs from the input.
         chars_removed: Input length minus output length, in characters (summed over messages).
         edits: How many substitutions each rule made, for rules that made any.
+        rules: Per rule that changed anything, its :class:`RuleCount` (``chars_removed`` of all
+            rules sums to ``chars_removed``, except for ``unicode_nfc`` which reports 1 edit).
     """
 
     value: Any
     changed: bool
     chars_removed: int
     edits: Mapping[str, int] = field(default_factory=dict)
+    rules: Mapping[str, RuleCount] = field(default_factory=dict)
 
 
-def _apply(text: str, config: CanonicalizeConfig, edits: dict[str, int]) -> str:
-    def sub(rule: str, pattern: re.Pattern[str], repl: Any, s: str) -> str:
-        s, n = pattern.subn(repl, s)
-        if n:
-            edits[rule] = edits.get(rule, 0) + n
-        return s
+# -- scanning patterns -------------------------------------------------------------------------
+# Every site pattern starts with one literal character, so the regex engine skips to it at C speed.
 
-    if config.newlines:
-        text = sub("newlines", _CRLF, "\n", text)
-    if config.trailing_whitespace:
-        text = sub("trailing_whitespace", _TRAILING, "", text)
-    if config.inner_spaces:
-        text = sub("inner_spaces", _INNER if config.keep_indentation else _INNER_ANYWHERE, " ", text)
-    if config.blank_lines:
-        text = sub("blank_lines", _BLANK_RUN, lambda m: m.group(1) * 2, text)
-    if config.unicode_nfc:
+_TRAIL_OR_BLANK = re.compile(r"\n(?:(?<=[ \t]\n)|(?=\n\n))")  # a line end after a space/tab; 3 LFs
+_DOUBLE_SPACE = re.compile(r"  (?<=[^ \n]  )")  # two spaces after something that is not a space
+_INNER_TAB = re.compile(r"\t(?:(?<=[^ \t\n]\t)|(?<=[^ \t\n] \t))")
+_LEAD_TAB = re.compile(r"\n *\t")
+_LEAD_RUN = re.compile(r"\n(?:[ \t]{2}|\t)")
+_JSON_START = re.compile(r"\n[\[{]")
+_INDENTED_AFTER_EMPTY = re.compile(r"\n\n(?= {4}| {0,3}\t)(?=[ \t]*[^ \t\n])")
+_INDENTED_AFTER_HASH = re.compile(r"#[^\n]*\n(?= {4}| {0,3}\t)(?=[ \t]*[^ \t\n])")
+_BLOCK_END = re.compile(r"\n(?![ \t]*(?:\n|\Z)| {4}| {0,3}\t)")  # next line neither blank nor indented
+_YAML_PIPE = re.compile(r"\|[1-9+-]{0,2}[ \t]*(?:#[^\n]*)?(?=\n|\Z)")
+_YAML_GT = re.compile(r">[1-9+-]{0,2}[ \t]*(?:#[^\n]*)?(?=\n|\Z)")
+_YAML_HEADER_HEAD = re.compile(r"[ \t]*(?:(?:[^\n]*?[^ \t\n])?:|-|\?|---)(?:[ \t]+[!&][^ \t\n]*)*[ \t]+")
+_HTML_OPEN = re.compile(r"<(pre|script|style|textarea)(?=[\s>])", re.IGNORECASE)
+_SPACE_RUN = re.compile(r" {2,}")
+_WS_RUN = re.compile(r"[ \t]{2,}|\t")
+_MD_LEAD = re.compile(r"[ \t]*(?:(?:[-*+>]|\d{1,9}[.)])(?:[ \t]+|$))*")
+_QUOTE = re.compile(r"\\.|\"|`+|'")
+_YAML_KEY = re.compile(r"[ \t]*(?:-[ \t]+)*([A-Za-z_][\w.-]*)[ \t]*:(?:[ \t]+(?=[^ \t#])|$)")
+_YAML_ITEM = re.compile(r"[ \t]*-[ \t]+(?=[^ \t])")
+_YAML_PARENT = re.compile(r"[ \t]*[^ \t#-][^\n]*:[ \t]*(?:#[^\n]*)?")
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+')
+_CSV_MARKS = re.compile(r"[\",]")
+_NOT_PLAIN = ('"', "'", "|", ">", "[", "{")  # what starts a YAML value that is not a plain scalar
+
+
+def _json_layout(src: str) -> str | None:
+    """``src`` re-laid out with indent 2 if it is a JSON object or array, else ``None``. Only the
+    whitespace between tokens changes (tokens are copied, never re-serialized)."""
+    try:
+        value = json.loads(src)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict | list):
+        return None
+    tokens = _JSON_TOKEN.findall(src)
+    out: list[str] = []
+    depth = 0
+    skip = False
+    for i, tok in enumerate(tokens):
+        if skip:
+            skip = False
+        elif tok in "{[":
+            if i + 1 < len(tokens) and tokens[i + 1] == ("}" if tok == "{" else "]"):
+                out.append(tok + tokens[i + 1])
+                skip = True
+            else:
+                depth += 1
+                out.append(tok + "\n" + "  " * depth)
+        elif tok in "}]":
+            depth -= 1
+            out.append("\n" + "  " * depth + tok)
+        elif tok == ",":
+            out.append(",\n" + "  " * depth)
+        elif tok == ":":
+            out.append(": ")
+        else:
+            out.append(tok)
+    return "".join(out)
+
+
+def _columns(indent: str, tab_size: int) -> int:
+    col = 0
+    for ch in indent:
+        col = (col // tab_size + 1) * tab_size if ch == "\t" else col + 1
+    return col
+
+
+class _Counts:
+    """Per-rule tallies of one call (never shared between calls)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self) -> None:
+        self.data: dict[str, list[int]] = {}
+
+    def add(self, rule: Rule, edits: int, changed: int, removed: int) -> None:
+        if edits:
+            row = self.data.setdefault(rule.value, [0, 0, 0])
+            row[0] += edits
+            row[1] += changed
+            row[2] += removed
+
+    def result(self) -> tuple[dict[str, int], dict[str, RuleCount]]:
+        return ({k: v[0] for k, v in self.data.items()},
+                {k: RuleCount(*v) for k, v in self.data.items()})
+
+
+class _Fence(NamedTuple):
+    """A fenced code block: its lines ``[start, end]``, the first body line and the closing
+    fence line (both ``len(text)`` when it does not close), and the info string."""
+
+    start: int
+    end: int
+    body: int
+    close: int
+    info: str
+
+
+class _Doc:
+    """One call's work on one text: the view the rules read, its block structure, the edits.
+
+    ``view`` is the text after the character rules (zero-width removed, Unicode spaces as
+    spaces). Structure and sites are found in the view, so they come out the same when the output
+    is canonicalized again (idempotence); protected lines are copied from ``text``.
+    """
+
+    def __init__(self, text: str, view: str, removed_at: list[int], config: CanonicalizeConfig,
+                 counts: _Counts) -> None:
+        self.text = text
+        self.v = view
+        self.gaps = [pos - i for i, pos in enumerate(removed_at)]  # view position of each removal
+        self.c = config
+        self.counts = counts
+        self.cr = not config.newlines and "\r" in view
+        self.blank_chars = (" \t" if config.tabs else " ") + ("\r" if self.cr else "")
+        self.prot: list[tuple[int, int]] = []  # protected line ranges, [start, end] of the view
+        self.prot_starts: list[int] = []
+        self.skip: list[tuple[int, int]] = []  # protected or laid out as JSON: no line rule applies
+        self.skip_starts: list[int] = []
+        self.edits: dict[int, tuple[int, str]] = {}  # view start -> (view end, replacement)
+        self.breaks: list[int] = []  # line ends after a space or tab, or before two empty lines
+        self.csv: dict[int, bool] = {}  # paragraph start -> CSV-like
+        self.partial: dict[int, list[tuple[int, int]]] = {}  # line start -> protected spans in it
+
+    # -- lines ---------------------------------------------------------------------------------
+
+    def line_end(self, ls: int) -> int:
+        le = self.v.find("\n", ls)
+        return len(self.v) if le < 0 else le
+
+    def line_start(self, pos: int) -> int:
+        return self.v.rfind("\n", 0, pos) + 1
+
+    def blank(self, ls: int, le: int) -> bool:
+        return not self.v[ls:le].strip(self.blank_chars)
+
+    def protected(self, pos: int) -> bool:
+        return _inside(self.prot, self.prot_starts, pos)
+
+    def skipped(self, pos: int) -> bool:
+        return _inside(self.skip, self.skip_starts, pos)
+
+    def source(self, start: int, end: int) -> str:
+        """The original text of view positions ``[start, end)``."""
+        if not self.gaps:
+            return self.text[start:end]
+        gaps = self.gaps
+        return self.text[start + bisect.bisect_left(gaps, start):end + bisect.bisect_right(gaps, end)]
+
+    def edit(self, rule: Rule, start: int, end: int, old: str, new: str) -> None:
+        self.edits[start] = (end, new)
+        self.counts.add(rule, 1, len(old), len(old) - len(new))
+
+    # -- structure -----------------------------------------------------------------------------
+
+    def structure(self) -> None:
+        """Finds the protected line ranges (code blocks, strings, YAML block scalars) and lays out
+        JSON blocks. Each finder is a C-speed scan unless the text holds the marker it looks for."""
+        c, v = self.c, self.v
+        if c.json and self._json_whole():
+            return
+        fences = self._fences() if (c.protect_code or c.json) and ("`" in v or "~" in v) else []
+        found: list[tuple[int, int]] = []
+        if c.protect_code:
+            found += [(f.start, f.end) for f in fences]
+            found += self._triple_quotes(fences)
+            found += self._indented_code(fences)
+            if "|" in v or ">" in v:
+                found += self._yaml_blocks()
+            if "<" in v:
+                found += self._html_blocks()
+        self.prot = _merge(found)
+        self.prot_starts = [s for s, _ in self.prot]
+        self.skip, self.skip_starts = self.prot, self.prot_starts
+        if c.json:
+            done = self._json_blocks(fences)
+            if done:
+                self.skip = _merge(self.prot + done)
+                self.skip_starts = [s for s, _ in self.skip]
+
+    def _fences(self) -> list[_Fence]:
+        """Each fenced block, fence lines included: CommonMark's rules, except that an opening
+        fence may be indented any amount (nested lists indent them)."""
+        v, n = self.v, len(self.v)
+        out: list[_Fence] = []
+        nxt = {m: v.find(m) for m in ("```", "~~~") if m[0] in v}
+        pos = 0
+        while True:
+            for m in nxt:
+                if 0 <= nxt[m] < pos:
+                    nxt[m] = v.find(m, pos)
+            hits = [p for p in nxt.values() if p >= 0]
+            if not hits:
+                return out
+            p = min(hits)
+            ls, le = self.line_start(p), self.line_end(p)
+            indent = v[ls:p]
+            ch = v[p]
+            rest = v[p:le]
+            run = len(rest) - len(rest.lstrip(ch))
+            info = rest[run:].strip()
+            if indent.strip(" ") or (ch == "`" and "`" in info):
+                pos = le + 1
+                continue
+            end, close = n, n
+            look = le
+            while True:  # the closing fence: same character, at least as long, nothing after it
+                q = v.find(ch * run, look)
+                if q < 0:
+                    break
+                qs, qe = self.line_start(q), self.line_end(q)
+                if (qs > le and not v[qs:q].strip(" ") and q - qs <= len(indent) + 3
+                        and not v[q:qe].strip(ch + " \t\r")):
+                    end, close = qe, qs
+                    break
+                look = qe
+            out.append(_Fence(ls, end, le + 1, close, info))
+            pos = end + 1
+            if pos >= n:
+                return out
+
+    def _triple_quotes(self, fences: list[_Fence]) -> list[tuple[int, int]]:
+        """Triple-quoted strings (outside fences): the lines between the quotes whole, and on the
+        lines that open and close one, the characters from quote to quote (``self.partial``)."""
+        v = self.v
+        kinds = [q for q in ('"""', "'''") if q[0] in v and q in v]
+        out: list[tuple[int, int]] = []
+        pos = 0
+        while kinds:
+            hits = [p for p in (v.find(q, pos) for q in kinds) if p >= 0]
+            if not hits:
+                break
+            p = min(hits)
+            if any(f.start <= p <= f.end for f in fences):
+                pos = p + 3
+                continue
+            close = v.find(v[p:p + 3], p + 3)
+            if close < 0:  # never closed: the rest of the text
+                first = self.line_start(p)
+                self.partial.setdefault(first, []).append((p - first, self.line_end(p) - first))
+                if self.line_end(p) < len(v):
+                    out.append((self.line_end(p) + 1, len(v)))
+                break
+            end = close + 3
+            first, last = self.line_start(p), self.line_start(end - 1)
+            if first == last:
+                self.partial.setdefault(first, []).append((p - first, end - first))
+            else:
+                self.partial.setdefault(first, []).append((p - first, self.line_end(p) - first))
+                self.partial.setdefault(last, []).append((0, end - last))
+                if self.line_end(p) + 1 < last:
+                    out.append((self.line_end(p) + 1, last - 1))
+            pos = end
+        return out
+
+    def _indented_code(self, fences: list[_Fence]) -> list[tuple[int, int]]:
+        """Lines indented four columns after a blank line, a heading or a fence (CommonMark's
+        indented code, and what an unfenced code file often looks like), with the blank and
+        indented lines that follow."""
+        v = self.v
+        # After an empty line, a line of spaces or tabs (the site scan found those), or a heading.
+        starts = [m.end() for m in _INDENTED_AFTER_EMPTY.finditer(v)]
+        starts += [p + 1 for p in self.breaks if _code_indented(v[p + 1:p + 5])
+                   and not v[self.line_start(p):p].strip(" \t\r")]
+        if "#" in v:
+            starts += [m.end() for m in _INDENTED_AFTER_HASH.finditer(v)
+                       if not v[self.line_start(m.start()):m.start()].strip(" ")]
+        if v[:1] == "\n":
+            starts.append(1)
+        starts += [f.end + 1 for f in fences if _code_indented(v[f.end + 1:f.end + 5])]
+        if _code_indented(v[:4]):
+            starts.append(0)
+        out: list[tuple[int, int]] = []
+        for start in sorted(set(starts)):
+            le = self.line_end(start)
+            if start >= len(v) or not v[start:le].strip(" \t\r"):
+                continue
+            m = _BLOCK_END.search(v, le)
+            end = len(v) if m is None else m.start()
+            end = start + len(v[start:end].rstrip(" \t\n\r"))
+            out.append((start, self.line_end(end - 1)))
+        return out
+
+    def _yaml_blocks(self) -> list[tuple[int, int]]:
+        """YAML ``|`` and ``>`` block scalars: the lines after the header that are blank or
+        indented deeper than it (trailing blank lines too: ``|+`` keeps them)."""
+        v, size = self.v, self.c.tab_size
+        out: list[tuple[int, int]] = []
+        for pattern in (_YAML_PIPE, _YAML_GT):
+            for m in pattern.finditer(v):
+                ls = self.line_start(m.start())
+                head = v[ls:m.start()]
+                if not _YAML_HEADER_HEAD.fullmatch(head):
+                    continue
+                depth = _columns(head[:len(head) - len(head.lstrip(" \t"))], size)
+                last = pos = m.end()
+                while pos < len(v):
+                    ce = self.line_end(pos + 1)
+                    line = v[pos + 1:ce]
+                    body = line.lstrip(" \t")
+                    if body.strip(" \t\r") and _columns(line[:len(line) - len(body)], size) <= depth:
+                        break
+                    last = pos = ce
+                if last > m.end():
+                    out.append((m.end() + 1, last))
+        return out
+
+    def _html_blocks(self) -> list[tuple[int, int]]:
+        """HTML ``<pre>``, ``<script>``, ``<style>`` and ``<textarea>`` blocks that start a line
+        (CommonMark passes them through raw, and browsers keep their whitespace)."""
+        v = self.v
+        out: list[tuple[int, int]] = []
+        pos = 0
+        while (m := _HTML_OPEN.search(v, pos)) is not None:
+            pos = m.end()
+            ls = self.line_start(m.start())
+            if v[ls:m.start()].strip(" \t"):
+                continue
+            close = re.compile(f"</{m.group(1)}>", re.IGNORECASE).search(v, m.end())
+            end = len(v) if close is None else self.line_end(close.start())
+            out.append((ls, end))
+            pos = end
+        return out
+
+    def _json_whole(self) -> bool:
+        """Lays out a text that is one JSON object or array; ``True`` if it is one."""
+        v = self.v
+        body = v.strip(" \t\n\r")
+        if body[:1] not in ("{", "[") or body[-1:] not in ("}", "]"):
+            return False
+        laid = _json_layout(body)
+        if laid is None:
+            return False
+        if laid != v:
+            self.edit(Rule.JSON, 0, len(v), v, laid)
+        self.skip = [(0, len(v))]
+        self.skip_starts = [0]
+        return True
+
+    def _json_blocks(self, fences: list[_Fence]) -> list[tuple[int, int]]:
+        """Lays out ```json fences and ``{``/``[`` paragraphs (after a blank line, not protected)."""
+        v = self.v
+        done: list[tuple[int, int]] = []
+        for fence in fences:
+            if fence.info.split(" ", 1)[0].lower() != "json" or fence.close >= len(v):
+                continue
+            first, last = fence.body, fence.close - 1
+            if first >= last:
+                continue
+            old = self.source(first, last) if self.c.protect_code else v[first:last]
+            laid = _json_layout(old)
+            if laid is not None:
+                if laid != old:
+                    self.edit(Rule.JSON, first, last, old, laid)
+                done.append((first, last))
+        starts = [m.start() + 1 for m in _JSON_START.finditer(v)] + ([0] if v[:1] in ("{", "[") else [])
+        for ls in starts:
+            if self.protected(ls) or any(f.start <= ls <= f.end for f in fences) or (
+                    ls > 0 and not self.blank(self.line_start(ls - 1), ls - 1)):
+                continue
+            end = ls
+            while end < len(v) and not self.blank(end, self.line_end(end)) and not self.protected(end):
+                end = self.line_end(end) + 1
+            src = v[ls:end].rstrip(" \t\n\r")
+            if src[-1:] not in ("}", "]"):
+                continue
+            laid = _json_layout(src)
+            if laid is not None:
+                stop = ls + len(src)
+                if laid != src:
+                    self.edit(Rule.JSON, ls, stop, src, laid)
+                done.append((ls, self.line_end(stop - 1)))
+        return done
+
+    # -- paragraphs ----------------------------------------------------------------------------
+
+    def para_start(self, ls: int) -> int:
+        """Start of the paragraph (run of non-blank, unskipped lines) holding the line at ``ls``,
+        found with C-speed searches for what ends a paragraph rather than line by line."""
+        v = self.v
+        start = v.rfind("\n\n", 0, ls) + 2 if ls else 0
+        if start == 1:  # no empty line before ls
+            start = 0
+        i = bisect.bisect_right(self.skip_starts, ls) - 1
+        if i >= 0 and self.skip[i][1] < ls:
+            start = max(start, self.skip[i][1] + 1)
+        if start == 0 and ls and self.blank(0, self.line_end(0)):
+            start = self.line_end(0) + 1
+        for ch in self.blank_chars:  # lines of spaces (or tabs, CRs) end in one of these
+            q = v.rfind(ch + "\n", start, ls)
+            while q >= 0:
+                qs = self.line_start(q)
+                if self.blank(qs, q + 1):
+                    start = q + 2
+                    break
+                q = v.rfind(ch + "\n", start, qs)
+        return start
+
+    def para_lines(self, start: int) -> list[tuple[int, int]]:
+        """The lines ``(start, end)`` of the paragraph that starts at ``start``."""
+        v = self.v
+        lines: list[tuple[int, int]] = []
+        pos = start
+        while pos <= len(v):
+            le = self.line_end(pos)
+            if lines and (self.blank(pos, le) or self.skipped(pos)):
+                break
+            lines.append((pos, le))
+            pos = le + 1
+        return lines
+
+    def open_quotes(self, ls: int, start: int) -> tuple[bool, int]:
+        """The ``"`` and backtick quotes still open where the line ``ls`` begins."""
+        v = self.v
+        if v.find("`", start, ls) < 0:
+            if v.find('"', start, ls) < 0:
+                return False, 0
+            if (v.find("\\", start, ls) < 0 and v.find("'", start, ls) < 0
+                    and not any(start <= k < ls for k in self.partial)):
+                return v.count('"', start, ls) % 2 == 1, 0  # no escapes, no other quotes: parity
+        dq, bt = False, 0
+        pos = start
+        while pos < ls:
+            le = self.line_end(pos)
+            _, dq, bt = _quote_spans(self.masked(pos, v[pos:le]), dq, bt)
+            pos = le + 1
+        return dq, bt
+
+    def masked(self, ls: int, line: str) -> str:
+        """``line`` with its triple-quoted parts blanked out, for scanning quotes."""
+        for a, b in self.partial.get(ls, ()):
+            line = line[:a] + "\0" * (min(b, len(line)) - a) + line[b:]
+        return line
+
+    def csv_like(self, start: int) -> bool:
+        """Whether the paragraph at ``start`` is CSV-like: two or more records, each with the same
+        number (one or more) of commas outside quotes, most of them not followed by a space
+        (prose puts one after every comma), and no indented line."""
+        cached = self.csv.get(start)
+        if cached is not None:
+            return cached
+        v = self.v
+        lines = self.para_lines(start)
+        counts: list[int] = []
+        in_field, record, spaced = False, 0, 0
+        for a, b in lines:
+            for m in _CSV_MARKS.finditer(v, a, b):
+                if m.group() == '"':
+                    in_field = not in_field
+                elif not in_field:
+                    record += 1
+                    spaced += v.startswith(" ", m.end())
+            if not in_field:
+                counts.append(record)
+                record = 0
+        result = (len(counts) > 1 and counts[0] > 0 and len(set(counts)) == 1 and 2 * spaced < sum(counts)
+                  and not any(v[a:a + 1] in (" ", "\t") for a, _ in lines))
+        self.csv[start] = result
+        return result
+
+    def yaml_sequence(self, ls: int, column: int) -> bool:
+        """Whether the ``- item`` line at ``ls`` sits under a ``key:`` line (a YAML sequence rather
+        than a Markdown list): walks up over items and blank lines to the first other line."""
+        pos = ls
+        while pos > 0:
+            ps = self.line_start(pos - 1)
+            line = self.v[ps:pos - 1].rstrip("\r")
+            pos = ps
+            if self.skipped(ps):
+                return False
+            if not line.strip(" \t") or _YAML_ITEM.match(line):
+                continue
+            return len(line) - len(line.lstrip(" \t")) <= column and _YAML_PARENT.fullmatch(line) is not None
+        return False
+
+    def yaml_continuation(self, ls: int, body: str) -> bool:
+        """Whether the indented line at ``ls`` continues a YAML plain scalar (``key: some text``
+        or a sequence item, then lines indented deeper): walks up over deeper lines."""
+        depth = len(body) - len(body.lstrip(" \t"))
+        pos = ls
+        while pos > 0:
+            ps = self.line_start(pos - 1)
+            line = self.v[ps:pos - 1].rstrip("\r")
+            pos = ps
+            if self.skipped(ps):
+                return False
+            if not line.strip(" \t"):
+                continue
+            indent = len(line) - len(line.lstrip(" \t"))
+            key = _YAML_KEY.match(line)
+            if key is not None:
+                return indent < depth and line[key.end():key.end() + 1] not in ("", *_NOT_PLAIN)
+            item = _YAML_ITEM.match(line)
+            if item is not None:
+                return (indent < depth and line[item.end():item.end() + 1] not in _NOT_PLAIN
+                        and self.yaml_sequence(ps, line.index("-")))
+            if indent == 0:
+                return False
+        return False
+
+    # -- one line ------------------------------------------------------------------------------
+
+    def line(self, ls: int, le: int) -> None:
+        """Applies the line rules to the unprotected line ``[ls, le)`` of the view."""
+        c, v = self.c, self.v
+        body = v[ls:le]
+        if c.protect_data and not c.tabs and "\t" in body:
+            rest = body.lstrip(" \t")
+            if "\t" in rest or not rest:
+                return  # a TSV row (empty cells too), or a literal tab
+        content_end = len(body.rstrip(self.blank_chars))  # CRs (``newlines`` off) stay, at the end
+        crs = "\r" * body.count("\r", content_end) if self.cr else ""
+        if content_end == 0:
+            if c.trailing_whitespace and body != crs:
+                self.edit(Rule.TRAILING_WHITESPACE, ls, le, body, crs)
+            return
+        indent = len(body) - len(body.lstrip(" \t"))
+        bare = indent >= content_end  # nothing but spaces and tabs (tabs kept as content)
+        indent = min(indent, content_end)
+        partial = self.partial.get(ls, ())
+        if partial and min(a for a, _ in partial) < indent:
+            indent = 0  # the line starts inside a string: its indentation is content
+        new_indent = body[:indent]
+        tab_indent = c.tab_indent and not bare and "\t" in new_indent
+        if tab_indent:
+            new_indent = " " * _columns(new_indent, c.tab_size)
+        flatten = not c.keep_indentation and not bare and (
+            len(new_indent) >= 2 or (c.tabs and "\t" in new_indent))
+        lead = indent
+        if c.protect_markdown and c.keep_indentation:
+            m = _MD_LEAD.match(body, 0, content_end)
+            lead = max(indent, m.end() if m else 0)
+        runs = [m for m in (_WS_RUN if c.tabs else _SPACE_RUN).finditer(body, lead, content_end)
+                ] if c.inner_spaces or c.tabs else []
+        trailing = body[content_end:]
+        trim = c.trailing_whitespace and trailing != crs
+        if not (runs or trim or tab_indent or flatten):
+            return
+        spans: list[tuple[int, int]] = list(partial)
+        open_end = any(b >= len(body) for _, b in partial)
+        if c.protect_quotes or c.protect_data:
+            found = self._spans(ls, body, content_end)
+            if found is None:
+                return  # a CSV-like paragraph
+            spans += found[0]
+            open_end = open_end or found[1]
+        if tab_indent:
+            self.counts.add(Rule.TAB_INDENT, 1, indent, indent - len(new_indent))
+        if flatten:
+            self.counts.add(Rule.INNER_SPACES, 1, len(new_indent), len(new_indent) - 1)
+            new_indent = " "
+        parts = [new_indent, body[indent:lead]]
+        pos = lead
+        for m in runs:
+            a, b = m.span()
+            if spans and any(s <= a < e for s, e in spans):
+                continue
+            run = m.group()
+            rule = Rule.TABS if "\t" in run else Rule.INNER_SPACES
+            if not (c.tabs if rule is Rule.TABS else c.inner_spaces):
+                continue
+            self.counts.add(rule, 1, len(run), len(run) - 1)
+            parts += (body[pos:a], " ")
+            pos = b
+        parts.append(body[pos:content_end])
+        if trim and not open_end:
+            keep = crs
+            if (c.protect_markdown and trailing.replace("\r", "").endswith("  ") and le < len(v)
+                    and not self.blank(le + 1, self.line_end(le + 1))):
+                keep = "  " + crs  # a Markdown hard line break
+            if trailing != keep:
+                self.counts.add(Rule.TRAILING_WHITESPACE, 1, len(trailing), len(trailing) - len(keep))
+            trailing = keep
+        parts.append(trailing)
+        new = "".join(parts)
+        if new != body:
+            self.edits[ls] = (le, new)
+
+    def _spans(self, ls: int, body: str, content_end: int) -> tuple[list[tuple[int, int]], bool] | None:
+        """Protected character ranges of a line and whether one reaches its end; ``None`` when
+        the line belongs to a CSV-like paragraph."""
+        c = self.c
+        spans: list[tuple[int, int]] = []
+        open_end = False
+        start = self.para_start(ls)
+        if c.protect_data and "," in body and body[:1] not in (" ", "\t") and self.csv_like(start):
+            return None
+        if c.protect_quotes:
+            dq, bt = self.open_quotes(ls, start)
+            if dq or bt or '"' in body or "'" in body or "`" in body:
+                spans, dq, bt = _quote_spans(self.masked(ls, body), dq, bt)
+                open_end = dq or bt > 0 or (bool(spans) and spans[-1][1] >= len(body))
+        if c.protect_data:
+            m = _YAML_KEY.match(body, 0, content_end)
+            if m is not None:
+                if m.end() < content_end:
+                    spans.append((m.end(), content_end))
+            else:
+                m = _YAML_ITEM.match(body, 0, content_end)
+                if m is not None and self.yaml_sequence(ls, body.index("-")):
+                    spans.append((m.end(), content_end))
+                elif m is None and body[:1] in (" ", "\t") and self.yaml_continuation(ls, body):
+                    spans.append((0, content_end))
+        return spans, open_end
+
+
+def _inside(ranges: list[tuple[int, int]], starts: list[int], pos: int) -> bool:
+    i = bisect.bisect_right(starts, pos) - 1
+    return i >= 0 and pos <= ranges[i][1]
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _code_indented(head: str) -> bool:
+    """Whether a line starting with ``head`` (its first four characters) is indented 4 columns."""
+    return head.startswith("    ") or ("\t" in head and not head[:head.index("\t")].strip(" "))
+
+
+def _quote_spans(line: str, dq: bool, bt: int) -> tuple[list[tuple[int, int]], bool, int]:
+    """Ranges of ``line`` inside quotes. ``"…"`` and backtick spans may continue from the line
+    before (``dq``; ``bt`` is the open backtick run's length); ``'…'`` opens only where an
+    apostrophe cannot be (not after a letter or digit, except a string prefix) and ends with the
+    line. Returns the ranges and the quotes still open at the line's end."""
+    spans: list[tuple[int, int]] = []
+    n = len(line)
+    pos = 0
+    if dq:
+        close = _close_double(line, 0)
+        if close < 0:
+            return [(0, n)], True, 0
+        spans.append((0, close + 1))
+        pos = close + 1
+    elif bt:
+        m = _backtick_run(line, bt, 0)
+        if m < 0:
+            return [(0, n)], False, bt
+        spans.append((0, m))
+        pos = m
+    while True:
+        m = _QUOTE.search(line, pos)
+        if m is None:
+            return spans, False, 0
+        tok, a = m.group(), m.start()
+        if tok[0] == "\\":
+            pos = m.end()
+        elif tok == '"':
+            close = _close_double(line, a + 1)
+            if close < 0:
+                spans.append((a, n))
+                return spans, True, 0
+            spans.append((a, close + 1))
+            pos = close + 1
+        elif tok[0] == "`":
+            close = _backtick_run(line, len(tok), m.end())
+            if close < 0:
+                spans.append((a, n))
+                return spans, False, len(tok)
+            spans.append((a, close))
+            pos = close
+        else:
+            before = line[:a]
+            word = before.rstrip("rRbBfFuU")
+            prev = before[-1:] if len(before) - len(word) > 2 or not before else (word[-1:] or " ")
+            if prev.isalnum() or prev == "_":
+                pos = m.end()
+                continue
+            close = a + 1
+            while True:
+                close = line.find("'", close)
+                if close < 0 or _escaped(line, close) is False:
+                    break
+                close += 1
+            if close < 0:
+                spans.append((a, n))
+                return spans, False, 0
+            spans.append((a, close + 1))
+            pos = close + 1
+
+
+def _escaped(line: str, pos: int) -> bool:
+    back = 0
+    while pos - back - 1 >= 0 and line[pos - back - 1] == "\\":
+        back += 1
+    return back % 2 == 1
+
+
+def _close_double(line: str, pos: int) -> int:
+    """Index of the unescaped ``"`` at or after ``pos``, or -1."""
+    while True:
+        close = line.find('"', pos)
+        if close < 0 or not _escaped(line, close):
+            return close
+        pos = close + 1
+
+
+def _backtick_run(line: str, length: int, pos: int) -> int:
+    """End of the next run of exactly ``length`` backticks at or after ``pos``, or -1."""
+    while True:
+        q = line.find("`" * length, pos)
+        if q < 0:
+            return -1
+        end = q + length
+        while end < len(line) and line[end] == "`":
+            end += 1
+        if end - q == length and (q == 0 or line[q - 1] != "`"):
+            return end
+        pos = end
+
+
+# -- the pass ----------------------------------------------------------------------------------
+
+
+def _char_view(text: str, config: CanonicalizeConfig) -> tuple[str, list[int]]:
+    """The text with zero-width characters removed and Unicode spaces as spaces (per
+    ``config``), and the positions (in ``text``) of what was removed."""
+    view = text
+    if config.unicode_spaces:
+        for ch in UNICODE_SPACE_CHARS:
+            if ch in view:
+                view = view.replace(ch, " ")
+    removed: list[int] = []
+    if config.zero_width:
+        found = [ch for ch in ZERO_WIDTH_CHARS if ch in view]
+        if found:
+            removed = [m.start() for m in re.finditer("[" + "".join(found) + "]", view)]
+            for ch in found:
+                view = view.replace(ch, "")
+    return view, removed
+
+
+def _lf(text: str) -> tuple[str, int]:
+    """CRLF and lone CR to LF, and how many line breaks that was. A few CRs are found with
+    ``find`` (memchr speed), many with ``replace``."""
+    parts: list[str] = []
+    pos = 0
+    i = text.find("\r")
+    while i >= 0:
+        if len(parts) > 64:
+            return "".join(parts) + text[pos:].replace("\r\n", "\n").replace("\r", "\n"), text.count("\r")
+        parts += (text[pos:i], "\n")
+        pos = i + 2 if text.startswith("\n", i + 1) else i + 1
+        i = text.find("\r", pos)
+    parts.append(text[pos:])
+    return "".join(parts), len(parts) // 2
+
+
+def _sites(doc: _Doc, every_line: bool) -> tuple[list[int], list[int]]:
+    """Starts of the lines that line rules may change, and line breaks next to which a run of
+    blank lines may start. ``every_line`` lists all of them (the reference the tests compare to)."""
+    c, v = doc.c, doc.v
+    if every_line:
+        breaks = [m.start() for m in re.finditer("\n", v)]
+        return [0] + [b + 1 for b in breaks], breaks
+    lines: list[int] = []
+    blanks: list[int] = []
+    for m in _TRAIL_OR_BLANK.finditer(v):  # also what ends a paragraph or starts indented code
+        blanks.append(m.start())
+        lines.append(doc.line_start(m.start()))
+    if doc.cr:  # ``newlines`` off: every line holding a CR (rare; no fast path)
+        for m in re.finditer("\r", v):
+            lines.append(doc.line_start(m.start()))
+            blanks.append(doc.line_end(m.start()))
+    if v.endswith((" ", "\t")):
+        lines.append(doc.line_start(len(v)))
+    if c.inner_spaces or c.tabs:
+        lines += [doc.line_start(m.start()) for m in _DOUBLE_SPACE.finditer(v)]
+    if "\t" in v:
+        if c.tabs:
+            lines += [doc.line_start(m.start()) for m in _INNER_TAB.finditer(v)]
+        if c.tab_indent:
+            lines += [m.start() + 1 for m in _LEAD_TAB.finditer(v)] + ([0] if v[:1] in (" ", "\t") else [])
+    if not c.keep_indentation:
+        lines += [m.start() + 1 for m in _LEAD_RUN.finditer(v)] + ([0] if v[:1] in (" ", "\t") else [])
+    return lines, blanks
+
+
+def _blank_runs(doc: _Doc, breaks: list[int]) -> set[int]:
+    """Collapses each run of two or more blank lines to one empty line. A run never holds the
+    first line, and each of its lines ends in a line break. Returns the line starts consumed."""
+    v, c = doc.v, doc.c
+    consumed: set[int] = set()
+
+    def free(ls: int, le: int) -> bool:
+        return doc.blank(ls, le) and not doc.skipped(ls)
+
+    for p in breaks:
+        ls = doc.line_start(p)
+        if ls == 0 or not free(ls, p):
+            ls = p + 1
+        if ls in consumed or ls >= len(v) or not free(ls, doc.line_end(ls)):
+            continue
+        while True:  # back to the first blank line of the run (never the first line)
+            ps = doc.line_start(ls - 1)
+            if ps == 0 or not free(ps, ls - 1):
+                break
+            ls = ps
+        lines: list[tuple[int, int]] = []
+        pos = ls
+        while pos < len(v):
+            le = v.find("\n", pos)
+            if le < 0 or not free(pos, le):
+                break
+            lines.append((pos, le))
+            pos = le + 1
+        if len(lines) < 2:
+            continue
+        consumed.update(a for a, _ in lines)
+        start, end = lines[0][0], lines[-1][1] + 1
+        new = "\r" * v.count("\r", start, lines[0][1]) + "\n"  # ``newlines`` off: keep a CRLF a CRLF
+        span = end - start
+        if c.trailing_whitespace:
+            spaces = [b - a - v.count("\r", a, b) for a, b in lines]
+            if sum(spaces):
+                doc.counts.add(Rule.TRAILING_WHITESPACE, sum(n > 0 for n in spaces), sum(spaces), sum(spaces))
+                span -= sum(spaces)
+        doc.counts.add(Rule.BLANK_LINES, 1, span, span - len(new))
+        doc.edits[start] = (end, new)
+    return consumed
+
+
+def _canonical(text: str, config: CanonicalizeConfig, counts: _Counts, every_line: bool = False) -> str:
+    if config.newlines and "\r" in text:
+        lf, breaks = _lf(text)
+        n_crlf = len(text) - len(lf)
+        counts.add(Rule.NEWLINES, breaks, breaks + n_crlf, n_crlf)
+        text = lf
+    view, removed = text, []
+    if (config.unicode_spaces or config.zero_width) and not text.isascii():
+        view, removed = _char_view(text, config)
+    doc = _Doc(text, view, removed, config, counts)
+    lines, breaks = _sites(doc, every_line)
+    doc.breaks = breaks
+    if not config.blank_lines:
+        breaks = []
+    if not lines and not breaks and view is text and not (config.json and ("{" in view or "[" in view)):
+        return _nfc(text, config, counts)
+    doc.structure()
+    consumed = _blank_runs(doc, breaks) if config.blank_lines and breaks else set()
+    for ls in sorted(set(lines)):
+        if ls not in consumed and ls not in doc.edits and not doc.skipped(ls):
+            doc.line(ls, doc.line_end(ls))
+    return _nfc(_assemble(doc), config, counts)
+
+
+def _assemble(doc: _Doc) -> str:
+    """The output: the edits; protected lines from the original text; the rest from the view."""
+    v = doc.v
+    keep_text = v is not doc.text
+    if keep_text:
+        _count_char_rules(doc)
+    parts: list[str] = []
+    pos = 0
+
+    def copy(a: int, b: int) -> None:
+        if not keep_text:
+            parts.append(v[a:b])
+            return
+        for s, e in doc.prot:  # protected lines keep their zero-width and Unicode spaces
+            if e < a or s >= b:
+                continue
+            s, e = max(s, a), min(e, b)
+            parts.append(v[a:s])
+            parts.append(doc.source(s, e))
+            a = e
+        parts.append(v[a:b])
+
+    for start in sorted(doc.edits):
+        end, new = doc.edits[start]
+        copy(pos, start)
+        parts.append(new)
+        pos = end
+    copy(pos, len(v))
+    return "".join(parts)
+
+
+def _count_char_rules(doc: _Doc) -> None:
+    """Counts the character rules' changes outside the protected lines (those keep the original)."""
+    text, gaps = doc.text, doc.gaps
+    ranges = [(s + bisect.bisect_left(gaps, s), e + bisect.bisect_right(gaps, e)) for s, e in doc.prot]
+    for rule, chars, on in ((Rule.ZERO_WIDTH, ZERO_WIDTH_CHARS, doc.c.zero_width),
+                            (Rule.UNICODE_SPACES, UNICODE_SPACE_CHARS, doc.c.unicode_spaces)):
+        if not on:
+            continue
+        n = sum(text.count(ch) - sum(text.count(ch, a, b) for a, b in ranges) for ch in chars if ch in text)
+        doc.counts.add(rule, n, n, n if rule is Rule.ZERO_WIDTH else 0)
+
+
+def _nfc(text: str, config: CanonicalizeConfig, counts: _Counts) -> str:
+    if config.unicode_nfc and not text.isascii():
         normal = unicodedata.normalize("NFC", text)
         if normal != text:
-            edits["unicode_nfc"] = edits.get("unicode_nfc", 0) + 1
-            text = normal
+            counts.add(Rule.UNICODE_NFC, 1, len(text), len(text) - len(normal))
+            return normal
     return text
 
 
@@ -119,7 +1148,8 @@ def canonicalize_text(text: str, config: CanonicalizeConfig | None = None) -> Ca
 
     Args:
         text: The prompt.
-        config: Which rules to apply; the defaults when ``None``.
+        config: Which rules apply; the ``safe`` defaults when ``None``. Per-role configs do not
+            apply to a plain prompt.
 
     Returns:
         A :class:`Canonicalized` whose ``value`` is the canonical string.
@@ -129,12 +1159,13 @@ def canonicalize_text(text: str, config: CanonicalizeConfig | None = None) -> Ca
     """
     if not isinstance(text, str):
         raise TypeError(f"prompt must be str, not {type(text).__name__}")
-    config = config or CanonicalizeConfig()
+    config = config or _SAFE
     if not config.enabled:
         return Canonicalized(text, False, 0)
-    edits: dict[str, int] = {}
-    out = _apply(text, config, edits)
-    return Canonicalized(out, out != text, len(text) - len(out), edits)
+    counts = _Counts()
+    out = _canonical(text, config, counts)
+    edits, rules = counts.result()
+    return Canonicalized(out, out != text, len(text) - len(out), edits, rules)
 
 
 def canonicalize_messages(
@@ -144,33 +1175,36 @@ def canonicalize_messages(
 
     A message's ``content`` may be a string or a list of OpenAI-style parts; text parts
     (``{"type": "text", "text": ...}``) are canonicalized, other parts are kept as they are.
+    Each message uses ``config.for_role(message["role"])``.
 
     Args:
         messages: Chat messages (mappings with ``role`` and ``content``).
-        config: Which rules to apply; the defaults when ``None``.
+        config: Which rules apply; the ``safe`` defaults when ``None``.
 
     Returns:
         A :class:`Canonicalized` whose ``value`` is a new list of new message dicts.
     """
-    config = config or CanonicalizeConfig()
-    edits: dict[str, int] = {}
+    config = config or _SAFE
+    counts = _Counts()
     removed = 0
     out: list[dict[str, Any]] = []
     for message in messages:
         new = dict(message)
         content = message.get("content")
-        if config.enabled and isinstance(content, str):
-            new["content"] = _apply(content, config, edits)
+        rules = config.for_role(message.get("role"))
+        if rules.enabled and isinstance(content, str):
+            new["content"] = _canonical(content, rules, counts)
             removed += len(content) - len(new["content"])
-        elif config.enabled and isinstance(content, list):
+        elif rules.enabled and isinstance(content, list):
             parts = []
             for part in content:
                 if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                    text = _apply(part["text"], config, edits)
+                    text = _canonical(part["text"], rules, counts)
                     removed += len(part["text"]) - len(text)
                     part = {**part, "text": text}
                 parts.append(part)
             new["content"] = parts
         out.append(new)
     changed = any(a != b for a, b in zip(messages, out, strict=True))
-    return Canonicalized(out, changed, removed, edits)
+    edits, per_rule = counts.result()
+    return Canonicalized(out, changed, removed, edits, per_rule)
