@@ -254,7 +254,7 @@ _YAML_HEADER_HEAD = re.compile(r"[ \t]*(?:(?:[^\n]*?[^ \t\n])?:|-|\?|---)(?:[ \t
 _HTML_OPEN = re.compile(r"<(pre|script|style|textarea)(?=[\s>])", re.IGNORECASE)
 _SPACE_RUN = re.compile(r" {2,}")
 _WS_RUN = re.compile(r"[ \t]{2,}|\t")
-_MD_LEAD = re.compile(r"[ \t]*(?:(?:[-*+>]|\d{1,9}[.)])(?:[ \t]+|$))*")
+_MD_LEAD = re.compile(r"(?:(?:[-*+>]|\d{1,9}[.)])(?:[ \t]+|$))+")  # list and quote markers
 _QUOTE = re.compile(r"\\.|\"|`+|'")
 _YAML_KEY = re.compile(r"[ \t]*(?:-[ \t]+)*([A-Za-z_][\w.-]*)[ \t]*:(?:[ \t]+(?=[^ \t#])|$)")
 _YAML_ITEM = re.compile(r"[ \t]*-[ \t]+(?=[^ \t])")
@@ -607,10 +607,10 @@ class _Doc:
                 continue
             laid = _json_layout(src)
             if laid is not None:
-                stop = ls + len(src)
-                if laid != src:
-                    self.edit(Rule.JSON, ls, stop, src, laid)
-                done.append((ls, self.line_end(stop - 1)))
+                stop = self.line_end(ls + len(src) - 1)  # with the last line's trailing spaces
+                if laid != v[ls:stop]:
+                    self.edit(Rule.JSON, ls, stop, v[ls:stop], laid)
+                done.append((ls, stop))
         return done
 
     # -- paragraphs ----------------------------------------------------------------------------
@@ -714,6 +714,18 @@ class _Doc:
             return len(line) - len(line.lstrip(" \t")) <= column and _YAML_PARENT.fullmatch(line) is not None
         return False
 
+    def continues(self, le: int, indent: int) -> bool:
+        """Whether the next non-blank line after the line ending at ``le`` is indented deeper
+        than ``indent`` (a list item or quote that goes on)."""
+        v = self.v
+        while le < len(v):
+            ns, le = le + 1, self.line_end(le + 1)
+            line = v[ns:le]
+            body = line.lstrip(" \t")
+            if body.strip(" \t\r"):
+                return len(line) - len(body) > indent
+        return False
+
     def yaml_continuation(self, ls: int, body: str) -> bool:
         """Whether the indented line at ``ls`` continues a YAML plain scalar (``key: some text``
         or a sequence item, then lines indented deeper): walks up over deeper lines."""
@@ -768,9 +780,13 @@ class _Doc:
         flatten = not c.keep_indentation and not bare and (
             len(new_indent) >= 2 or (c.tabs and "\t" in new_indent))
         lead = indent
-        if c.protect_markdown and c.keep_indentation:
-            m = _MD_LEAD.match(body, 0, content_end)
-            lead = max(indent, m.end() if m else 0)
+        if c.protect_markdown and c.keep_indentation and indent < content_end:
+            m = _MD_LEAD.match(body, indent, content_end)
+            gap = len(m.group()) - len(m.group().rstrip(" \t")) if m else 0
+            if gap >= 5:
+                lead = content_end  # the item starts with indented code
+            elif gap >= 2 and self.continues(le, indent):
+                lead = m.end()  # the marker's spacing sets where the item's content starts
         runs = [m for m in (_WS_RUN if c.tabs else _SPACE_RUN).finditer(body, lead, content_end)
                 ] if c.inner_spaces or c.tabs else []
         trailing = body[content_end:]
