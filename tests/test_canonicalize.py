@@ -164,8 +164,9 @@ def test_crlf_is_one_newline_not_two():
     ("summary: starts\n  continues  here", "summary: starts\n  continues  here"),
     # Markdown: hard breaks (normalized to two spaces), list-marker spacing, raw <pre>
     ("line   \nnext\nlast  \n\nend", "line  \nnext\nlast\n\nend"),
+    ("a  \n- b  \n- c  \n2. d  \n# e  \nf", "a\n- b\n- c  \n2. d\n# e\nf"),  # no break before a block
     ("-    item  one\n1.  first", "- item one\n1. first"),  # spacing that sets nothing
-    ("-   item  one\n    goes  on\n1.     code  here", "-   item one\n    goes on\n1.     code  here"),
+    ("-   item  one\n    goes  on\n1.     code  here", "-   item one\n    goes  on\n1.     code  here"),
     ("<pre>\na  b  \n\n\n</pre>\nc  d", "<pre>\na  b  \n\n\n</pre>\nc d"),
 ])
 def test_safe_protects(raw, expected):

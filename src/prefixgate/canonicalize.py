@@ -245,22 +245,32 @@ _INNER_TAB = re.compile(r"\t(?:(?<=[^ \t\n]\t)|(?<=[^ \t\n] \t))")
 _LEAD_TAB = re.compile(r"\n *\t")
 _LEAD_RUN = re.compile(r"\n(?:[ \t]{2}|\t)")
 _JSON_START = re.compile(r"\n[\[{]")
-_INDENTED_AFTER_EMPTY = re.compile(r"\n\n(?= {4}| {0,3}\t)(?=[ \t]*[^ \t\n])")
-_INDENTED_AFTER_HASH = re.compile(r"#[^\n]*\n(?= {4}| {0,3}\t)(?=[ \t]*[^ \t\n])")
+# A line indented 4 columns after one that no paragraph goes on from: an empty line, a heading, a
+# rule, or (conservatively) a quote, HTML or table line, whose content may be a block of its own.
+_INDENTED_AFTER = re.compile(r"\n(?: {0,3}(?:[#<>|][^\n]*|(?:[-*_][ \t]*){3,}|=+[ \t]*))?\n(?= {4}| {0,3}\t)"
+                             r"(?=[ \t]*[^ \t\n])")
+_INDENTED_AFTER_FIRST = re.compile(_INDENTED_AFTER.pattern[2:])  # the same, for the first line
 _BLOCK_END = re.compile(r"\n(?![ \t]*(?:\n|\Z)| {4}| {0,3}\t)")  # next line neither blank nor indented
 _YAML_PIPE = re.compile(r"\|[1-9+-]{0,2}[ \t]*(?:#[^\n]*)?(?=\n|\Z)")
 _YAML_GT = re.compile(r">[1-9+-]{0,2}[ \t]*(?:#[^\n]*)?(?=\n|\Z)")
 _YAML_HEADER_HEAD = re.compile(r"[ \t]*(?:(?:[^\n]*?[^ \t\n])?:|-|\?|---)(?:[ \t]+[!&][^ \t\n]*)*[ \t]+")
 _HTML_OPEN = re.compile(r"<(pre|script|style|textarea)(?=[\s>])", re.IGNORECASE)
+# A line that starts a new Markdown block even right after a paragraph line (so the line before
+# it ends its paragraph, and two trailing spaces there are no hard break).
+_BLOCK_START = re.compile(r" {0,3}(?:[-*+][ \t]+[^ \t\r]|1[.)][ \t]+[^ \t\r]|#{1,6}(?:[ \t]|\r?$)|```[^`]*$"
+                         r"|~~~|(?:[-*_][ \t]*){3,}\r?$|=+[ \t]*\r?$)")
+_HEADING = re.compile(r" {0,3}#{1,6}(?:[ \t]|\r?$)")
 _SPACE_RUN = re.compile(r" {2,}")
 _WS_RUN = re.compile(r"[ \t]{2,}|\t")
-_MD_LEAD = re.compile(r"(?:(?:[-*+>]|\d{1,9}[.)])(?:[ \t]+|$))+")  # list and quote markers
+_MD_LEAD = re.compile(r"(?:>[ \t]*|(?:[-*+]|\d{1,9}[.)])(?:[ \t]+|$))+")  # quote and list markers
 _QUOTE = re.compile(r"\\.|\"|`+|'")
-_YAML_KEY = re.compile(r"[ \t]*(?:-[ \t]+)*([A-Za-z_][\w.-]*)[ \t]*:(?:[ \t]+(?=[^ \t#])|$)")
+_YAML_KEY = re.compile(r"[ \t]*(?:-[ \t]+)*([A-Za-z_](?:[\w.-]| +(?=[\w.-]))*)[ \t]*:(?:[ \t]+(?=[^ \t#])|$)")
 _YAML_ITEM = re.compile(r"[ \t]*-[ \t]+(?=[^ \t])")
 _YAML_PARENT = re.compile(r"[ \t]*[^ \t#-][^\n]*:[ \t]*(?:#[^\n]*)?")
 _JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+')
 _CSV_MARKS = re.compile(r"[\",]")
+_BRACKETS = re.compile(r"[\[\]{}]")
+_FLOW_PUNCT = frozenset('{}[],:"\' \t')  # what JSON's or YAML's flow syntax puts around a value
 _NOT_PLAIN = ('"', "'", "|", ">", "[", "{")  # what starts a YAML value that is not a plain scalar
 
 
@@ -297,6 +307,12 @@ def _json_layout(src: str) -> str | None:
         else:
             out.append(tok)
     return "".join(out)
+
+
+def _marker_gap(line: str, m: re.Match[str]) -> int:
+    """Columns of white space after the last list or quote marker ``m`` matched in ``line``."""
+    end = len(line[:m.end()].rstrip(" \t"))
+    return _columns(line[:m.end()], 4) - _columns(line[:end], 4)
 
 
 def _columns(indent: str, tab_size: int) -> int:
@@ -405,11 +421,11 @@ class _Doc:
         if c.protect_code:
             found += [(f.start, f.end) for f in fences]
             found += self._triple_quotes(fences)
-            found += self._indented_code(fences)
+            html = self._html_blocks() if "<" in v else []
+            found += html
+            found += self._indented_code([f.end for f in fences] + [e for _, e in html])
             if "|" in v or ">" in v:
                 found += self._yaml_blocks()
-            if "<" in v:
-                found += self._html_blocks()
         self.prot = _merge(found)
         self.prot_starts = [s for s, _ in self.prot]
         self.skip, self.skip_starts = self.prot, self.prot_starts
@@ -440,7 +456,7 @@ class _Doc:
             rest = v[p:le]
             run = len(rest) - len(rest.lstrip(ch))
             info = rest[run:].strip()
-            if indent.strip(" ") or (ch == "`" and "`" in info):
+            if indent.strip(" \t") or (ch == "`" and "`" in info):
                 pos = le + 1
                 continue
             end, close = n, n
@@ -450,7 +466,7 @@ class _Doc:
                 if q < 0:
                     break
                 qs, qe = self.line_start(q), self.line_end(q)
-                if (qs > le and not v[qs:q].strip(" ") and q - qs <= len(indent) + 3
+                if (qs > le and not v[qs:q].strip(" \t") and q - qs <= len(indent) + 3
                         and not v[q:qe].strip(ch + " \t\r")):
                     end, close = qe, qs
                     break
@@ -494,21 +510,19 @@ class _Doc:
             pos = end
         return out
 
-    def _indented_code(self, fences: list[_Fence]) -> list[tuple[int, int]]:
-        """Lines indented four columns after a blank line, a heading or a fence (CommonMark's
-        indented code, and what an unfenced code file often looks like), with the blank and
-        indented lines that follow."""
+    def _indented_code(self, block_ends: list[int]) -> list[tuple[int, int]]:
+        """Lines indented four columns where no paragraph goes on (after a blank line, a heading,
+        a rule, a fence or an HTML block: CommonMark's indented code, and what an unfenced code
+        file often looks like), with the blank and indented lines that follow."""
         v = self.v
-        # After an empty line, a line of spaces or tabs (the site scan found those), or a heading.
-        starts = [m.end() for m in _INDENTED_AFTER_EMPTY.finditer(v)]
+        # After an empty line, heading or rule; a line of spaces or tabs (the site scan has those).
+        starts = [m.end() for m in _INDENTED_AFTER.finditer(v)]
         starts += [p + 1 for p in self.breaks if _code_indented(v[p + 1:p + 5])
                    and not v[self.line_start(p):p].strip(" \t\r")]
-        if "#" in v:
-            starts += [m.end() for m in _INDENTED_AFTER_HASH.finditer(v)
-                       if not v[self.line_start(m.start()):m.start()].strip(" ")]
-        if v[:1] == "\n":
-            starts.append(1)
-        starts += [f.end + 1 for f in fences if _code_indented(v[f.end + 1:f.end + 5])]
+        first = _INDENTED_AFTER_FIRST.match(v)
+        if first is not None:
+            starts.append(first.end())
+        starts += [e + 1 for e in block_ends if _code_indented(v[e + 1:e + 5])]
         if _code_indented(v[:4]):
             starts.append(0)
         out: list[tuple[int, int]] = []
@@ -700,8 +714,9 @@ class _Doc:
         return result
 
     def yaml_sequence(self, ls: int, column: int) -> bool:
-        """Whether the ``- item`` line at ``ls`` sits under a ``key:`` line (a YAML sequence rather
-        than a Markdown list): walks up over items and blank lines to the first other line."""
+        """Whether the ``- item`` line at ``ls`` is in YAML rather than a Markdown list: walking up
+        over blank lines, items and what is indented deeper than the item's dash (its siblings'
+        content), the first other line is a ``key:`` or ``key: value`` line."""
         pos = ls
         while pos > 0:
             ps = self.line_start(pos - 1)
@@ -709,21 +724,113 @@ class _Doc:
             pos = ps
             if self.skipped(ps):
                 return False
-            if not line.strip(" \t") or _YAML_ITEM.match(line):
+            indent = len(line) - len(line.lstrip(" \t"))
+            if not line.strip(" \t") or indent > column or _YAML_ITEM.match(line):
                 continue
-            return len(line) - len(line.lstrip(" \t")) <= column and _YAML_PARENT.fullmatch(line) is not None
+            return _YAML_PARENT.fullmatch(line) is not None or _YAML_KEY.match(line) is not None
         return False
 
-    def continues(self, le: int, indent: int) -> bool:
-        """Whether the next non-blank line after the line ending at ``le`` is indented deeper
-        than ``indent`` (a list item or quote that goes on)."""
+    def nested_block(self, le: int, indent: int) -> bool:
+        """Whether the next non-blank line after ``le`` is indented deeper than ``indent``, or is a
+        ``- item`` at that indentation (what a YAML ``key:`` with no value on its line holds)."""
         v = self.v
         while le < len(v):
             ns, le = le + 1, self.line_end(le + 1)
             line = v[ns:le]
             body = line.lstrip(" \t")
             if body.strip(" \t\r"):
-                return len(line) - len(body) > indent
+                depth = len(line) - len(body)
+                return depth > indent or (depth == indent and _YAML_ITEM.match(line) is not None)
+        return False
+
+    def in_flow(self, ls: int, start: int) -> bool:
+        """Whether the line at ``ls`` is inside a JSON/YAML flow collection that its paragraph
+        (from ``start``) opens on its first line, as the line or as a ``key:`` value."""
+        v = self.v
+        if ls == start or (v.find("[", start, ls) < 0 and v.find("{", start, ls) < 0):
+            return False
+        first = v[start:self.line_end(start)]
+        key = _YAML_KEY.match(first)
+        opener = first[key.end():key.end() + 1] if key is not None else first.lstrip(" \t")[:1]
+        if opener not in ("{", "["):
+            return False
+        depth, dq, bt, pos = 0, False, 0, start
+        while pos < ls:
+            le = self.line_end(pos)
+            line = self.masked(pos, v[pos:le])
+            spans, dq, bt = _quote_spans(line, dq, bt)
+            for m in _BRACKETS.finditer(line):
+                if not any(a <= m.start() < b for a, b in spans):
+                    depth += 1 if m.group() in "[{" else -1
+            pos = le + 1
+        return depth > 0
+
+    def paragraph_goes_on(self, line: str, nxt: str) -> bool:
+        """Whether Markdown reads ``nxt`` as more of the paragraph ``line`` is in (so two spaces
+        ending ``line`` are a hard break): ``line`` is no heading and ``nxt`` neither blank nor a
+        new block, once the blockquote markers both lines share are peeled off."""
+        while True:
+            a, b = line.lstrip(" "), nxt.lstrip(" ")
+            if not (a.startswith(">") and b.startswith(">") and len(line) - len(a) < 4 > len(nxt) - len(b)):
+                break
+            line, nxt = a[1:], b[1:]
+        if _HEADING.match(line):
+            return False  # an ATX heading is one line
+        return bool(nxt.strip(self.blank_chars)) and _BLOCK_START.match(nxt) is None
+
+    def continues(self, le: int, indent: int) -> bool:
+        """Whether the list item or quote whose first line ends at ``le`` has a later line
+        indented deeper than ``indent`` (whose reading depends on the marker's spacing). The item
+        ends at a line no deeper than ``indent`` that follows a blank line or starts a block."""
+        v = self.v
+        after_blank = False
+        while le < len(v):
+            ns, le = le + 1, self.line_end(le + 1)
+            line = v[ns:le]
+            body = line.lstrip(" \t")
+            if not body.strip(" \t\r"):
+                after_blank = True
+                continue
+            if _columns(line[:len(line) - len(body)], 4) > indent:
+                return True
+            if after_blank or _BLOCK_START.match(line):
+                return False
+        return False
+
+    def in_item_code(self, ls: int, indent: int) -> bool:
+        """Whether the indented line at ``ls`` may be code in a list: it belongs to an item or
+        quote that starts with indented code (five or more spaces after its marker), or it is
+        indented four columns or more in a paragraph with a list item or quote line above it
+        (where those end, CommonMark may read such a line as indented code)."""
+        v, depth, pos = self.v, _columns(self.v[ls:ls + indent], 4), ls
+        if depth >= 4:
+            above = ls
+            while above > 0:
+                ps = self.line_start(above - 1)
+                line = v[ps:above - 1]
+                above = ps
+                body = line.lstrip(" \t")
+                if not body.strip(" \t\r"):
+                    break
+                if _MD_LEAD.match(line, len(line) - len(body)) is not None:
+                    return True
+        while pos > 0:
+            ps = self.line_start(pos - 1)
+            line = v[ps:pos - 1]
+            pos = ps
+            body = line.lstrip(" \t")
+            if self.skipped(ps) or not body.strip(" \t\r"):
+                continue
+            cols = _columns(line[:len(line) - len(body)], 4)
+            if cols >= depth:
+                continue
+            depth = cols
+            m = _MD_LEAD.match(line, len(line) - len(body))
+            if m is not None:  # a marker: it starts code, or is inside code itself, or neither
+                return _marker_gap(line, m) >= 5 or (
+                    depth > 0 and self.in_item_code(ps, len(line) - len(body)))
+            if depth == 0:
+                return False
         return False
 
     def yaml_continuation(self, ls: int, body: str) -> bool:
@@ -782,17 +889,20 @@ class _Doc:
         lead = indent
         if c.protect_markdown and c.keep_indentation and indent < content_end:
             m = _MD_LEAD.match(body, indent, content_end)
-            gap = len(m.group()) - len(m.group().rstrip(" \t")) if m else 0
+            gap = _marker_gap(body, m) if m else 0
             if gap >= 5:
-                lead = content_end  # the item starts with indented code
-            elif gap >= 2 and self.continues(le, indent):
-                lead = m.end()  # the marker's spacing sets where the item's content starts
+                return  # the item starts with indented code
+            spaced = m is not None and ("  " in m.group() or "\t" in m.group())
+            if spaced and self.continues(le, _columns(body[:indent], 4)):
+                lead = m.end()  # the markers' spacing sets where the item's content starts
         runs = [m for m in (_WS_RUN if c.tabs else _SPACE_RUN).finditer(body, lead, content_end)
                 ] if c.inner_spaces or c.tabs else []
         trailing = body[content_end:]
         trim = c.trailing_whitespace and trailing != crs
         if not (runs or trim or tab_indent or flatten):
             return
+        if c.protect_markdown and indent and self.in_item_code(ls, indent):
+            return  # inside a list item's indented code
         spans: list[tuple[int, int]] = list(partial)
         open_end = any(b >= len(body) for _, b in partial)
         if c.protect_quotes or c.protect_data:
@@ -823,8 +933,10 @@ class _Doc:
         if trim and not open_end:
             keep = crs
             if (c.protect_markdown and trailing.replace("\r", "").endswith("  ") and le < len(v)
-                    and not self.blank(le + 1, self.line_end(le + 1))):
+                    and self.paragraph_goes_on(body, v[le + 1:self.line_end(le + 1)])):
                 keep = "  " + crs  # a Markdown hard line break
+            if c.protect_markdown and body.endswith("\\", 0, content_end):
+                keep = trailing  # after a backslash, how Markdown reads the spaces varies
             if trailing != keep:
                 self.counts.add(Rule.TRAILING_WHITESPACE, 1, len(trailing), len(trailing) - len(keep))
             trailing = keep
@@ -851,13 +963,19 @@ class _Doc:
             m = _YAML_KEY.match(body, 0, content_end)
             if m is not None:
                 if m.end() < content_end:
-                    spans.append((m.end(), content_end))
+                    spans += (m.span(1), (m.end(), content_end))  # key and value
+                elif " " in m.group(1) and self.nested_block(ls + len(body), m.start(1) - m.start()):
+                    spans.append(m.span(1))  # a key with a space over a nested block (not prose + ":")
             else:
                 m = _YAML_ITEM.match(body, 0, content_end)
                 if m is not None and self.yaml_sequence(ls, body.index("-")):
                     spans.append((m.end(), content_end))
                 elif m is None and body[:1] in (" ", "\t") and self.yaml_continuation(ls, body):
                     spans.append((0, content_end))
+            if body.lstrip(" \t")[:1] in ("{", "[") or self.in_flow(ls, start):
+                # a flow collection: a run between two words is inside a plain scalar
+                spans += [r.span() for r in _SPACE_RUN.finditer(body, 0, content_end)
+                          if body[r.start() - 1] not in _FLOW_PUNCT and body[r.end()] not in _FLOW_PUNCT]
         return spans, open_end
 
 
@@ -1069,6 +1187,14 @@ def _blank_runs(doc: _Doc, breaks: list[int]) -> set[int]:
             pos = le + 1
         if len(lines) < 2:
             continue
+        nxt = pos
+        while nxt < len(v) and not v[nxt:doc.line_end(nxt)].strip(" \t\r"):
+            nxt = doc.line_end(nxt) + 1
+        after = v[nxt:doc.line_end(nxt)]
+        indent = len(after) - len(after.lstrip(" \t"))
+        if c.protect_markdown and 0 < indent < len(after) and (doc.in_item_code(nxt, indent) or (
+                _columns(after[:indent], 4) >= 4 and _item_code_before(doc, ls))):
+            continue  # blank lines inside indented code in a list
         consumed.update(a for a, _ in lines)
         start, end = lines[0][0], lines[-1][1] + 1
         new = "\r" * v.count("\r", start, lines[0][1]) + "\n"  # ``newlines`` off: keep a CRLF a CRLF
@@ -1081,6 +1207,19 @@ def _blank_runs(doc: _Doc, breaks: list[int]) -> set[int]:
         doc.counts.add(Rule.BLANK_LINES, 1, span, span - len(new))
         doc.edits[start] = (end, new)
     return consumed
+
+
+def _item_code_before(doc: _Doc, ls: int) -> bool:
+    """Whether the last non-blank line before the one at ``ls`` is indented code in a list (see
+    ``in_item_code``)."""
+    while ls > 0:
+        ps = doc.line_start(ls - 1)
+        line = doc.v[ps:ls - 1]
+        ls = ps
+        body = line.lstrip(" \t")
+        if body.strip(" \t\r"):
+            return len(line) > len(body) and doc.in_item_code(ps, len(line) - len(body))
+    return False
 
 
 def _canonical(text: str, config: CanonicalizeConfig, counts: _Counts, every_line: bool = False) -> str:
