@@ -239,7 +239,9 @@ class Canonicalized:
 # -- scanning patterns -------------------------------------------------------------------------
 # Every site pattern starts with one literal character, so the regex engine skips to it at C speed.
 
-_TRAIL_OR_BLANK = re.compile(r"\n(?:(?<=[ \t]\n)|(?=\n\n))")  # a line end after a space/tab; 3 LFs
+# Line ends after a space or tab (group 1), before two more (2), before an empty line and an
+# indented one (3): trailing spaces, blank-line runs, where indented code may start.
+_LINE_END_SITE = re.compile(r"\n(?:(?<=[ \t]\n)()|(?=\n\n)()|(?=\n(?: {4}| {0,3}\t)[ \t]*[^ \t\n])())")
 _DOUBLE_SPACE = re.compile(r"  (?<=[^ \n]  )")  # two spaces after something that is not a space
 _INNER_TAB = re.compile(r"\t(?:(?<=[^ \t\n]\t)|(?<=[^ \t\n] \t))")
 _LEAD_TAB = re.compile(r"\n *\t")
@@ -247,9 +249,12 @@ _LEAD_RUN = re.compile(r"\n(?:[ \t]{2}|\t)")
 _JSON_START = re.compile(r"\n[\[{]")
 # A line indented 4 columns after one that no paragraph goes on from: an empty line, a heading, a
 # rule, or (conservatively) a quote, HTML or table line, whose content may be a block of its own.
-_INDENTED_AFTER = re.compile(r"\n(?: {0,3}(?:[#<>|][^\n]*|(?:[-*_][ \t]*){3,}|=+[ \t]*))?\n(?= {4}| {0,3}\t)"
-                             r"(?=[ \t]*[^ \t\n])")
-_INDENTED_AFTER_FIRST = re.compile(_INDENTED_AFTER.pattern[2:])  # the same, for the first line
+_INDENTED_AFTER_MARK = {  # one scan per character, only if the text holds it; rules fail fast
+    ch: re.compile(re.escape(ch) + (r"[^\n]*" if ch in "#<>|" else r"=*[ \t]*" if ch == "=" else
+                                    rf"[ \t]*{re.escape(ch)}[ \t]*{re.escape(ch)}[-*_ \t]*")
+                   + r"\n(?= {4}| {0,3}\t)(?=[ \t]*[^ \t\n])")
+    for ch in "#<>|=-*_"}
+_NO_PARAGRAPH = re.compile(r" {0,3}(?:[#<>|].*|(?:[-*_][ \t]*){3,}|=+[ \t]*)")
 _BLOCK_END = re.compile(r"\n(?![ \t]*(?:\n|\Z)| {4}| {0,3}\t)")  # next line neither blank nor indented
 _YAML_PIPE = re.compile(r"\|[1-9+-]{0,2}[ \t]*(?:#[^\n]*)?(?=\n|\Z)")
 _YAML_GT = re.compile(r">[1-9+-]{0,2}[ \t]*(?:#[^\n]*)?(?=\n|\Z)")
@@ -376,6 +381,7 @@ class _Doc:
         self.skip_starts: list[int] = []
         self.edits: dict[int, tuple[int, str]] = {}  # view start -> (view end, replacement)
         self.breaks: list[int] = []  # line ends after a space or tab, or before two empty lines
+        self.code_after_empty: list[int] = []  # indented lines after an empty one (site scan)
         self.csv: dict[int, bool] = {}  # paragraph start -> CSV-like
         self.partial: dict[int, list[tuple[int, int]]] = {}  # line start -> protected spans in it
 
@@ -515,13 +521,21 @@ class _Doc:
         a rule, a fence or an HTML block: CommonMark's indented code, and what an unfenced code
         file often looks like), with the blank and indented lines that follow."""
         v = self.v
-        # After an empty line, heading or rule; a line of spaces or tabs (the site scan has those).
-        starts = [m.end() for m in _INDENTED_AFTER.finditer(v)]
-        starts += [p + 1 for p in self.breaks if _code_indented(v[p + 1:p + 5])
-                   and not v[self.line_start(p):p].strip(" \t\r")]
-        first = _INDENTED_AFTER_FIRST.match(v)
-        if first is not None:
-            starts.append(first.end())
+        # After an empty line or a line of spaces or tabs (the site scan found both), a heading,
+        # rule, quote, HTML or table line, a fence or an HTML block.
+        starts = list(self.code_after_empty)
+        for p in self.breaks:
+            if _code_indented(v[p + 1:p + 5]) and not v[self.line_start(p):p].strip(" \t\r"):
+                starts.append(p + 1)
+            elif v.startswith("\n", p + 1) and _code_indented(v[p + 2:p + 6]):
+                starts.append(p + 2)
+        if "\t" in v or "\n    " in v:
+            for ch, pattern in _INDENTED_AFTER_MARK.items():
+                if ch in v:
+                    starts += [m.end() for m in pattern.finditer(v)
+                               if _NO_PARAGRAPH.fullmatch(v[self.line_start(m.start()):m.end() - 1])]
+        if v[:1] == "\n" and _code_indented(v[1:5]):
+            starts.append(1)
         starts += [e + 1 for e in block_ends if _code_indented(v[e + 1:e + 5])]
         if _code_indented(v[:4]):
             starts.append(0)
@@ -960,7 +974,7 @@ class _Doc:
                 spans, dq, bt = _quote_spans(self.masked(ls, body), dq, bt)
                 open_end = dq or bt > 0 or (bool(spans) and spans[-1][1] >= len(body))
         if c.protect_data:
-            m = _YAML_KEY.match(body, 0, content_end)
+            m = _YAML_KEY.match(body, 0, content_end) if ":" in body else None
             if m is not None:
                 if m.end() < content_end:
                     spans += (m.span(1), (m.end(), content_end))  # key and value
@@ -972,10 +986,11 @@ class _Doc:
                     spans.append((m.end(), content_end))
                 elif m is None and body[:1] in (" ", "\t") and self.yaml_continuation(ls, body):
                     spans.append((0, content_end))
-            if body.lstrip(" \t")[:1] in ("{", "[") or self.in_flow(ls, start):
-                # a flow collection: a run between two words is inside a plain scalar
-                spans += [r.span() for r in _SPACE_RUN.finditer(body, 0, content_end)
-                          if body[r.start() - 1] not in _FLOW_PUNCT and body[r.end()] not in _FLOW_PUNCT]
+            lead = body.lstrip(" \t")
+            between_words = [r.span() for r in _SPACE_RUN.finditer(body, len(body) - len(lead), content_end)
+                             if body[r.start() - 1] not in _FLOW_PUNCT and body[r.end()] not in _FLOW_PUNCT]
+            if between_words and (lead[:1] in ("{", "[") or self.in_flow(ls, start)):
+                spans += between_words  # in a flow collection such a run is inside a plain scalar
         return spans, open_end
 
 
@@ -1136,7 +1151,10 @@ def _sites(doc: _Doc, every_line: bool) -> tuple[list[int], list[int]]:
         return [0] + [b + 1 for b in breaks], breaks
     lines: list[int] = []
     blanks: list[int] = []
-    for m in _TRAIL_OR_BLANK.finditer(v):  # also what ends a paragraph or starts indented code
+    for m in _LINE_END_SITE.finditer(v):  # also what ends a paragraph or starts indented code
+        if m.lastindex == 3:
+            doc.code_after_empty.append(m.start() + 2)
+            continue
         blanks.append(m.start())
         lines.append(doc.line_start(m.start()))
     if doc.cr:  # ``newlines`` off: every line holding a CR (rare; no fast path)
@@ -1177,6 +1195,8 @@ def _blank_runs(doc: _Doc, breaks: list[int]) -> set[int]:
             if ps == 0 or not free(ps, ls - 1):
                 break
             ls = ps
+        if ls in consumed:
+            continue
         lines: list[tuple[int, int]] = []
         pos = ls
         while pos < len(v):
