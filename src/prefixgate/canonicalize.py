@@ -275,7 +275,7 @@ _YAML_PARENT = re.compile(r"[ \t]*[^ \t#-][^\n]*:[ \t]*(?:#[^\n]*)?")
 _JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+')
 _CSV_MARKS = re.compile(r"[\",]")
 _BRACKETS = re.compile(r"[\[\]{}]")
-_FLOW_PUNCT = frozenset('{}[],:"\' \t')  # what JSON's or YAML's flow syntax puts around a value
+_FLOW_PUNCT = frozenset("{}[],: \t")  # in JSON every run of spaces touches one of these
 _NOT_PLAIN = ('"', "'", "|", ">", "[", "{")  # what starts a YAML value that is not a plain scalar
 
 
