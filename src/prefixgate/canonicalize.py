@@ -4,50 +4,73 @@ One stray space inside a shared system prompt changes every block hash after it 
 cache is worth nothing (measured on an H200 with vLLM 0.26: 95% token hit rate down to 13%).
 The rules here only touch whitespace and invisible format characters, each is a switch, and every
 call reports per rule what it changed. Lowercasing or any other edit of visible characters is
-never done (``unicode_nfc``, off in every rule set, is the one exception).
+never done (``unicode_nfc``, in no rule set, is the one exception).
 
 Rule sets (:data:`RULE_SETS`, ``CanonicalizeConfig.named(name)``):
 
 ``safe`` (the default)
-    Never changes what a parser reads: the meaning corpus in ``tests/corpus`` (Python, JSON,
-    YAML, CSV/TSV, Markdown rendered to HTML, prose) parses the same before and after, whole and
-    inside fences. CRLF→LF, trailing spaces, runs of spaces, runs of blank lines, with these left
-    alone: code (fenced and indented blocks, triple-quoted strings, YAML block scalars), quoted
-    text (``"…"``, ``'…'``, ```…```), data (tab characters and any line holding one, CSV-like
-    paragraphs, YAML keys, values and ``- items``), Markdown hard breaks and list-marker spacing.
+    Changes nothing a parser reads: every document of the meaning corpus (``tests/corpus``:
+    Python, JSON, YAML, CSV, TSV, Markdown rendered to HTML, prose) and generated Markdown, YAML
+    and JSON parse the same before and after, whole and fenced inside a message. Rules:
+    ``newlines``, ``trailing_whitespace``, ``inner_spaces``, ``blank_lines``. Protections: all.
 ``prose``
-    For natural-language text you wrote yourself (system prompts): also Unicode spaces → space,
-    zero-width characters removed, tabs inside lines are spaces; only code stays protected.
+    For natural-language text you wrote yourself (system prompts): also ``tabs``,
+    ``unicode_spaces`` and ``zero_width``; only ``protect_code`` stays on.
 ``aggressive``
-    ``prose`` without protecting code, plus JSON re-layout and tab indentation → spaces. Can
-    change the meaning of code and data (trailing spaces in a Python string, TSV columns).
+    ``prose`` plus ``json`` and ``tab_indent``, with no protection at all: the most sharing, but it
+    changes code and data (trailing spaces in a Python string, TSV columns, YAML scalars).
 ``legacy``
-    The 0.1 default, kept for comparison: like ``prose`` minus the Unicode rules and minus any
-    protection. Merges TSV columns and breaks Markdown hard breaks.
+    prefixgate 0.1's default, byte for byte (tested against its regexes): ``tabs`` on, no
+    protection, no Unicode rules.
 ``off``
     The identity.
 
 Rules, in the order they apply; each is a field of :class:`CanonicalizeConfig`:
 
-``newlines``         CRLF and lone CR become LF (everywhere, code included: every parser above
-                     reads both as one line break).
-``zero_width``       U+200B, U+2060 and U+FEFF are removed. ZWJ/ZWNJ (emoji, Indic and Persian
-                     scripts) and directional marks are never touched.
-``unicode_spaces``   Other Unicode space separators (NBSP, thin, ideographic …) become a space.
-``json``             JSON in ```json fences, whole messages and blank-line-delimited paragraphs
-                     that start with ``{``/``[`` is re-laid out (indent 2) token by token: only the
-                     whitespace between tokens changes. Text that does not parse is left alone.
-``tab_indent``       Tabs in a line's indentation become spaces (stops of ``tab_size``).
-``trailing_whitespace`` Spaces (and with ``tabs`` tabs) at line ends are removed.
-``inner_spaces``     Inside a line, a run of two or more spaces becomes one. Indentation is kept
-                     unless ``keep_indentation=False`` (which flattens code; no rule set does it).
-``tabs``             Tabs inside a line count as spaces: a run holding a tab becomes one space.
-``blank_lines``      Two or more consecutive blank lines become one empty line.
-``unicode_nfc``      Unicode NFC; off everywhere: it changes visible characters.
+``newlines``            CRLF and lone CR become LF, everywhere (protected text too: every parser
+                        above reads either as one line break).
+``zero_width``          U+200B, U+2060, U+FEFF are removed. ZWJ and ZWNJ (emoji, Indic and
+                        Persian scripts) and directional marks are never touched.
+``unicode_spaces``      Unicode space separators (NBSP, thin, ideographic …) become a space.
+``json``                JSON in ```json fences, in a whole message and in blank-line-delimited
+                        paragraphs that start with ``{``/``[`` is laid out with indent 2, token by
+                        token: only the whitespace between tokens changes; what does not parse stays.
+``tab_indent``          Tabs in a line's indentation become spaces (stops of ``tab_size``).
+``trailing_whitespace`` Spaces (with ``tabs`` also tabs) at a line's end are removed.
+``inner_spaces``        A run of two or more spaces inside a line becomes one; indentation stays
+                        unless ``keep_indentation=False`` (which flattens code; in no rule set).
+``tabs``                A run holding a tab inside a line becomes one space (merges TSV columns).
+``blank_lines``         Two or more consecutive blank lines become one empty line.
+``unicode_nfc``         Unicode NFC (changes visible characters).
 
-Everything a protection covers is left byte-identical apart from ``newlines``. The work is a
-cheap scan when nothing is to change and about one pass over the lines with something to change
-when something is; the function is pure (no state outlives a call), so threads may share it.
+Protections leave text as it is (apart from ``newlines``):
+
+``protect_code``        Fenced (``` and ~~~, any indentation) and indented code blocks, including
+                        indented code after a heading, rule, fence, HTML, quote or table line and
+                        inside lists; triple-quoted strings (from quote to quote); YAML ``|`` and
+                        ``>`` block scalars; raw HTML ``<pre>``, ``<script>``, ``<style>``,
+                        ``<textarea>`` blocks.
+``protect_quotes``      Text inside ``"…"`` and backtick spans (which may continue over the lines of
+                        a paragraph) and ``'…'`` (on one line; an apostrophe after a letter is no
+                        quote).
+``protect_data``        Lines holding a tab after their indentation (TSV rows, literal tabs);
+                        CSV-like paragraphs (two or more records with the same number of commas,
+                        mostly not followed by a space); YAML keys, values, sequence items (under a
+                        key) and plain-scalar continuation lines; plain scalars in flow
+                        collections.
+``protect_markdown``    Two trailing spaces where the paragraph goes on (a hard break; kept as
+                        exactly two), the spaces after a line-ending backslash, the spacing after
+                        list and quote markers where later lines are read against it, and lines
+                        that CommonMark may read as indented code inside or after a list or quote.
+
+Known limits of ``safe``: quote state does not cross a blank line (so that one stray quote cannot
+flip the rest of a text), so a quoted YAML or CSV string holding a blank line is protected only up
+to it; a CSV paragraph of one record, or one whose commas are mostly followed by spaces, is not
+recognised; a YAML document that is one bare plain scalar is read as prose.
+
+The work is a few C-speed scans when nothing is to change, and a visit of only the lines that
+can change when something is. Each call is pure (all its state lives in one call), so threads
+may share the function.
 """
 
 from __future__ import annotations
@@ -117,13 +140,13 @@ class CanonicalizeConfig:
         tab_indent: Tabs in indentation to spaces, up to the next multiple of ``tab_size``.
         tab_size: Tab stop width for ``tab_indent`` and for measuring indentation.
         unicode_nfc: Unicode NFC (changes non-whitespace characters; in no rule set).
-        protect_code: Leave fenced and indented code blocks, triple-quoted strings and YAML block
-            scalars alone.
+        protect_code: Leave code blocks (fenced, indented), triple-quoted strings, YAML block
+            scalars and raw HTML ``<pre>``-like blocks alone (details: module docstring).
         protect_quotes: Leave text inside ``"…"``, ``'…'`` and backtick spans alone.
-        protect_data: Leave lines holding a tab, CSV-like paragraphs, YAML keys, values and
-            sequence items alone.
-        protect_markdown: Keep Markdown hard breaks (two trailing spaces before a non-blank
-            line) and the spacing after list and quote markers.
+        protect_data: Leave lines holding a tab, CSV-like paragraphs, YAML keys, values, items,
+            continuation lines and flow-collection scalars alone.
+        protect_markdown: Keep hard breaks, list-marker spacing that later lines depend on, and
+            indented code inside lists.
         roles: Per chat role, the config for that role's messages (names of :data:`RULE_SETS`
             are accepted); other roles use this config.
     """
@@ -225,8 +248,8 @@ class Canonicalized:
         changed: Whether anything differs from the input.
         chars_removed: Input length minus output length, in characters (summed over messages).
         edits: How many substitutions each rule made, for rules that made any.
-        rules: Per rule that changed anything, its :class:`RuleCount` (``chars_removed`` of all
-            rules sums to ``chars_removed``, except for ``unicode_nfc`` which reports 1 edit).
+        rules: Per rule that changed anything, its :class:`RuleCount`; their ``chars_removed``
+            sum to ``chars_removed``.
     """
 
     value: Any
