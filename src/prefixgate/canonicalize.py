@@ -262,9 +262,7 @@ class Canonicalized:
 # -- scanning patterns -------------------------------------------------------------------------
 # Every site pattern starts with one literal character, so the regex engine skips to it at C speed.
 
-# Line ends after a space or tab (group 1), before two more (2), before an empty line and an
-# indented one (3): trailing spaces, blank-line runs, where indented code may start.
-_LINE_END_SITE = re.compile(r"\n(?:(?<=[ \t]\n)()|(?=\n\n)()|(?=\n(?: {4}| {0,3}\t)[ \t]*[^ \t\n])())")
+_LINE_END_SITE = re.compile(r"\n(?:(?<=[ \t]\n)|(?=\n\n))")  # after a space or tab; before two more
 _DOUBLE_SPACE = re.compile(r"  (?<=[^ \n]  )")  # two spaces after something that is not a space
 _INNER_TAB = re.compile(r"\t(?:(?<=[^ \t\n]\t)|(?<=[^ \t\n] \t))")
 _LEAD_TAB = re.compile(r"\n *\t")
@@ -272,6 +270,7 @@ _LEAD_RUN = re.compile(r"\n(?:[ \t]{2}|\t)")
 _JSON_START = re.compile(r"\n[\[{]")
 # A line indented 4 columns after one that no paragraph goes on from: an empty line, a heading, a
 # rule, or (conservatively) a quote, HTML or table line, whose content may be a block of its own.
+_INDENTED_AFTER_EMPTY = re.compile(r"\n\n(?= {4}| {0,3}\t)(?=[ \t]*[^ \t\n])")
 _INDENTED_AFTER_MARK = {  # one scan per character, only if the text holds it; rules fail fast
     ch: re.compile(re.escape(ch) + (r"[^\n]*" if ch in "#<>|" else r"=*[ \t]*" if ch == "=" else
                                     rf"[ \t]*{re.escape(ch)}[ \t]*{re.escape(ch)}[-*_ \t]*")
@@ -404,7 +403,6 @@ class _Doc:
         self.skip_starts: list[int] = []
         self.edits: dict[int, tuple[int, str]] = {}  # view start -> (view end, replacement)
         self.breaks: list[int] = []  # line ends after a space or tab, or before two empty lines
-        self.code_after_empty: list[int] = []  # indented lines after an empty one (site scan)
         self.csv: dict[int, bool] = {}  # paragraph start -> CSV-like
         self.partial: dict[int, list[tuple[int, int]]] = {}  # line start -> protected spans in it
 
@@ -546,7 +544,7 @@ class _Doc:
         v = self.v
         # After an empty line or a line of spaces or tabs (the site scan found both), a heading,
         # rule, quote, HTML or table line, a fence or an HTML block.
-        starts = list(self.code_after_empty)
+        starts = [m.end() for m in _INDENTED_AFTER_EMPTY.finditer(v)]
         for p in self.breaks:
             if _code_indented(v[p + 1:p + 5]) and not v[self.line_start(p):p].strip(" \t\r"):
                 starts.append(p + 1)
@@ -1175,9 +1173,6 @@ def _sites(doc: _Doc, every_line: bool) -> tuple[list[int], list[int]]:
     lines: list[int] = []
     blanks: list[int] = []
     for m in _LINE_END_SITE.finditer(v):  # also what ends a paragraph or starts indented code
-        if m.lastindex == 3:
-            doc.code_after_empty.append(m.start() + 2)
-            continue
         blanks.append(m.start())
         lines.append(doc.line_start(m.start()))
     if doc.cr:  # ``newlines`` off: every line holding a CR (rare; no fast path)
