@@ -176,6 +176,16 @@ def test_safe_protects(raw, expected):
 def test_markdown_lists_are_not_yaml_but_lists_under_a_key_are():
     assert canonicalize_text("Steps:\n- do  this\n- then  that").value == "Steps:\n- do  this\n- then  that"
     assert canonicalize_text("Intro.\n\n- do  this\n- then  that").value == "Intro.\n\n- do this\n- then that"
+    code_then_list = "def f(x):\n    return x\n\n- a  list"  # a key must sit right above an item
+    assert canonicalize_text(code_then_list).value == "def f(x):\n    return x\n\n- a list"
+
+
+def test_python_blocks_are_not_yaml_keys():
+    code = "class  Totals:\n    def f(self, x):\n        if x is  None:\n            return  0"
+    assert canonicalize_text(code).value == (
+        "class Totals:\n    def f(self, x):\n        if x is None:\n            return 0")
+    yaml_doc = "big  box:\n  size  x: 1\n  items:\n  - a  b"
+    assert canonicalize_text(yaml_doc).value == "big  box:\n  size  x: 1\n  items:\n  - a  b"
 
 
 def test_each_protection_is_a_switch():

@@ -291,7 +291,8 @@ _SPACE_RUN = re.compile(r" {2,}")
 _WS_RUN = re.compile(r"[ \t]{2,}|\t")
 _MD_LEAD = re.compile(r"(?:>[ \t]*|(?:[-*+]|\d{1,9}[.)])(?:[ \t]+|$))+")  # quote and list markers
 _QUOTE = re.compile(r"\\.|\"|`+|'")
-_YAML_KEY = re.compile(r"[ \t]*(?:-[ \t]+)*([A-Za-z_](?:[\w.-]| +(?=[\w.-]))*)[ \t]*:(?:[ \t]+(?=[^ \t#])|$)")
+_YAML_KEY = re.compile(r"[ \t]*(?:-[ \t]+)*([A-Za-z_](?:[\w.-]| +(?=[\w.-]))*)[ \t]*:"
+                       r"(?:[ \t]+(?=[^ \t#])|[ \t]*\r?$)")  # group 1 the key; ends where a value starts
 _YAML_ITEM = re.compile(r"[ \t]*-[ \t]+(?=[^ \t])")
 _YAML_PARENT = re.compile(r"[ \t]*[^ \t#-][^\n]*:[ \t]*(?:#[^\n]*)?")
 _JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+')
@@ -751,23 +752,29 @@ class _Doc:
     def yaml_sequence(self, ls: int, column: int) -> bool:
         """Whether the ``- item`` line at ``ls`` is in YAML rather than a Markdown list: walking up
         over blank lines, items and what is indented deeper than the item's dash (its siblings'
-        content), the first other line is a ``key:`` or ``key: value`` line."""
-        pos = ls
+        content), the first other line is a ``key:`` or ``key: value`` line right above an item."""
+        pos, below_is_item = ls, True
         while pos > 0:
             ps = self.line_start(pos - 1)
             line = self.v[ps:pos - 1].rstrip("\r")
             pos = ps
             if self.skipped(ps):
                 return False
-            indent = len(line) - len(line.lstrip(" \t"))
-            if not line.strip(" \t") or indent > column or _YAML_ITEM.match(line):
+            if not line.strip(" \t"):
+                below_is_item = False
                 continue
-            return _YAML_PARENT.fullmatch(line) is not None or _YAML_KEY.match(line) is not None
+            indent = len(line) - len(line.lstrip(" \t"))
+            item = _YAML_ITEM.match(line) is not None
+            if indent > column or item:
+                below_is_item = item
+                continue
+            return below_is_item and (_YAML_PARENT.fullmatch(line) or _YAML_KEY.match(line)) is not None
         return False
 
     def nested_block(self, le: int, indent: int) -> bool:
-        """Whether the next non-blank line after ``le`` is indented deeper than ``indent``, or is a
-        ``- item`` at that indentation (what a YAML ``key:`` with no value on its line holds)."""
+        """Whether the next non-blank line after ``le`` is a YAML key or ``- item`` line indented
+        deeper than ``indent``, or an item at that indentation: what a YAML ``key:`` with no value
+        on its line holds (a Python ``if x:`` holds statements)."""
         v = self.v
         while le < len(v):
             ns, le = le + 1, self.line_end(le + 1)
@@ -775,7 +782,9 @@ class _Doc:
             body = line.lstrip(" \t")
             if body.strip(" \t\r"):
                 depth = len(line) - len(body)
-                return depth > indent or (depth == indent and _YAML_ITEM.match(line) is not None)
+                item = _YAML_ITEM.match(line) is not None
+                return (depth > indent and (item or _YAML_KEY.match(line) is not None)) or (
+                    depth == indent and item)
         return False
 
     def in_flow(self, ls: int, start: int) -> bool:
