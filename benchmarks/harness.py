@@ -55,10 +55,12 @@ GATEWAY_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({w: {} for 
 def gateway_config(workload: str, overrides: Mapping[str, Any] | None = None) -> GatewayConfig:
     """The L arm's :class:`GatewayConfig`: the workload's defaults, then ``overrides``.
 
-    Keys are GatewayConfig fields; ``canonicalize.<rule>`` sets one canonicalization switch.
+    Keys are GatewayConfig fields; ``canonicalize`` may name a rule set (``canonicalize=prose``,
+    see :data:`prefixgate.canonicalize.RULE_SETS`) and ``canonicalize.<rule>`` sets one switch
+    on top of it.
 
     Raises:
-        ValueError: For an unknown field or an invalid value.
+        ValueError: For an unknown field, rule set or invalid value.
     """
     merged = {**GATEWAY_DEFAULTS.get(workload, {}), **(overrides or {})}
     canon: dict[str, Any] = {}
@@ -71,6 +73,8 @@ def gateway_config(workload: str, overrides: Mapping[str, Any] | None = None) ->
             plain[key] = value
         else:
             raise ValueError(f"unknown GatewayConfig field {key!r}; known: {sorted(names)}")
+    if isinstance(plain.get("canonicalize"), str):
+        plain["canonicalize"] = CanonicalizeConfig.named(plain["canonicalize"])
     if canon:
         plain["canonicalize"] = dataclasses.replace(plain.get("canonicalize", CanonicalizeConfig()), **canon)
     return GatewayConfig(**plain)

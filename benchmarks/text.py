@@ -7,11 +7,12 @@ only whitespace the canonicalizer has to undo. Lengths are measured with the eng
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from typing import Any, Protocol
 
-__all__ = ["EDIT_KINDS", "TextMaker", "TextTokenizer", "apply_whitespace_edits"]
+__all__ = ["EDIT_KINDS", "EXTRA_EDIT_KINDS", "TextMaker", "TextTokenizer", "apply_whitespace_edits"]
 
 EDIT_KINDS = ("crlf", "trailing_spaces", "double_space", "tab", "blank_line")
 
@@ -134,26 +135,38 @@ def _cut_words(text: str, n: int) -> str:
 
 # -- whitespace noise (W3) ---------------------------------------------------------------------
 
+EXTRA_EDIT_KINDS = ("unicode_space", "zero_width", "json_indent")
+"""Noise kinds beyond W3's (:data:`EDIT_KINDS`, whose traces they leave as they were): a space
+between words becomes a Unicode space (NBSP, thin, narrow NBSP, en or ideographic space); a
+zero-width character (ZWSP, word joiner, BOM) goes between two visible characters; a JSON
+paragraph is re-indented (compact, 2 or 4 spaces, whichever it was not)."""
+_UNICODE_SPACES = ("\u00a0", "\u2009", "\u202f", "\u2002", "\u3000")
+_ZERO_WIDTH = ("\u200b", "\u2060", "\ufeff")
 
-def apply_whitespace_edits(text: str, rng: random.Random, n: int) -> str:
-    """Applies ``n`` random whitespace edits that prefixgate's default canonicalization undoes.
 
-    Edit kinds (:data:`EDIT_KINDS`): an LF becomes CRLF; spaces are added at a line's end; a space
-    between words is doubled; a space between words becomes a tab; a blank line is doubled. Only
+def apply_whitespace_edits(text: str, rng: random.Random, n: int, kinds: tuple[str, ...] = EDIT_KINDS) -> str:
+    """Applies ``n`` random whitespace edits of ``kinds``.
+
+    Edit kinds (:data:`EDIT_KINDS`, W3's, all of which the ``prose`` and ``legacy`` canonicalization
+    rule sets undo): an LF becomes CRLF; spaces or a tab are added at a line's end; a space between
+    words is doubled; a space between words becomes a tab; a blank line is doubled. Only
     whitespace is inserted or replaced, never indentation, so the non-whitespace characters and
-    the canonical form are unchanged.
+    the canonical form are unchanged. :data:`EXTRA_EDIT_KINDS` add Unicode spaces, zero-width
+    characters and JSON re-indentation; pass ``kinds=("zero_width",)`` to apply only one kind.
 
     Args:
         text: Canonical text (LF newlines, no trailing or doubled spaces, single blank lines).
         rng: The source of randomness.
         n: How many edits.
+        kinds: The kinds to draw from (each edit picks one, falling back to the others in order
+            when the text has no place for it).
 
     Returns:
         The edited text (``text`` itself when it has no place for any edit).
     """
     for _ in range(n):
-        chosen = rng.choice(EDIT_KINDS)
-        for kind in (chosen, *(k for k in EDIT_KINDS if k != chosen)):  # fall back if no spot
+        chosen = rng.choice(kinds)
+        for kind in (chosen, *(k for k in kinds if k != chosen)):  # fall back if no spot
             edited = _edit_once(text, rng, kind)
             if edited is not None:
                 text = edited
@@ -162,13 +175,22 @@ def apply_whitespace_edits(text: str, rng: random.Random, n: int) -> str:
 
 
 def _edit_once(text: str, rng: random.Random, kind: str) -> str | None:
-    if kind in ("double_space", "tab"):
+    if kind in ("double_space", "tab", "unicode_space"):
         spots = [i for i in range(1, len(text) - 1) if text[i] == " "
                  and text[i - 1] not in " \t\r\n" and text[i + 1] not in " \t\r\n"]
         if not spots:
             return None
         i = rng.choice(spots)
-        return text[:i] + ("  " if kind == "double_space" else "\t") + text[i + 1:]
+        new = {"double_space": "  ", "tab": "\t"}.get(kind) or rng.choice(_UNICODE_SPACES)
+        return text[:i] + new + text[i + 1:]
+    if kind == "zero_width":
+        spots = [i for i in range(1, len(text)) if not text[i - 1].isspace() and not text[i].isspace()]
+        if not spots:
+            return None
+        i = rng.choice(spots)
+        return text[:i] + rng.choice(_ZERO_WIDTH) + text[i:]
+    if kind == "json_indent":
+        return _reindent_json(text, rng)
     if kind == "crlf":
         spots = [i for i in range(len(text)) if text[i] == "\n" and (i == 0 or text[i - 1] != "\r")]
         if not spots:
@@ -188,3 +210,20 @@ def _edit_once(text: str, rng: random.Random, kind: str) -> str | None:
         i = rng.choice(spots)
         return text[:i] + "\n" + text[i:]
     raise ValueError(f"unknown edit kind {kind!r}")
+
+
+def _reindent_json(text: str, rng: random.Random) -> str | None:
+    """``text`` with one of its JSON paragraphs (an object or array between blank lines) dumped
+    with another indentation, or ``None`` if it has none."""
+    paragraphs = text.split("\n\n")
+    spots = []
+    for i, para in enumerate(paragraphs):
+        if para[:1] in ("{", "[") and para[-1:] in ("}", "]"):
+            with contextlib.suppress(ValueError):
+                spots.append((i, json.loads(para)))
+    if not spots:
+        return None
+    i, value = rng.choice(spots)
+    others = [d for d in (json.dumps(value, indent=k) for k in (None, 2, 4)) if d != paragraphs[i]]
+    paragraphs[i] = rng.choice(others)
+    return "\n\n".join(paragraphs)

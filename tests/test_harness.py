@@ -63,7 +63,9 @@ async def test_w1_smoke_schema_and_accounting():
 
 async def test_w3_canonicalization_recovers_the_meant_sharing():
     trace = tiny_trace("W3", noise_p=1.0, prefix_tokens=160, per_group=4)
-    result = await run_benchmark(trace, sim_factory(), arms=["B1", "L", "O"], repeats=1)
+    # The prose rule set undoes all of W3's noise (safe, the default, keeps tabs and hard breaks).
+    result = await run_benchmark(trace, sim_factory(), arms=["B1", "L", "O"], repeats=1,
+                                 gateway_overrides={"canonicalize": "prose"})
     assert_accounted(result)
     arms = result["arms"]
     assert arms["L"]["hit_rate"] > arms["B1"]["hit_rate"]
