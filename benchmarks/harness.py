@@ -46,8 +46,11 @@ DEFAULT_ARMS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "W0": ("B1",), "W1": ARMS, "W2": ("B1", "L", "O"), "W3": ARMS, "W4": ("B1", "L", "O"),
     "W5": ("B1", "L", "O"), "W6": ("B1", "L"),
 })
-# Per-workload GatewayConfig fields for the L arm; later issues (ordering, admission) fill these.
-GATEWAY_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({w: {} for w in DEFAULT_ARMS})
+# Per-workload GatewayConfig fields for the L arm. W3's shared parts are text a user wrote (its
+# noise includes tabs and trailing spaces before a continuing line, which the default "safe" rule
+# set keeps as possible TSV columns and Markdown hard breaks): it runs with the "prose" rule set.
+GATEWAY_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {w: ({"canonicalize": "prose"} if w == "W3" else {}) for w in DEFAULT_ARMS})
 
 # -- arms --------------------------------------------------------------------------------------
 

@@ -81,9 +81,12 @@ async def bare_vllm(engine, prompts, sp, tag):
 
 async def through_prefixgate(engine, prompts, sp, tag):
     """The same prompts, at the same moment, through a prefixgate Gateway."""
-    from prefixgate import Gateway
+    from prefixgate import Gateway, GatewayConfig
 
-    async with Gateway.for_vllm(engine) as gw:
+    # The shared part is a system prompt the user wrote: the "prose" rule set also undoes tabs and
+    # trailing spaces before a continuing line, which the default ("safe") keeps as possible TSV
+    # columns and Markdown hard breaks.
+    async with Gateway.for_vllm(engine, GatewayConfig(canonicalize="prose")) as gw:
         async def one(i, prompt):
             first = None
             async for _ in gw.generate(prompt, sp, request_id=f"{tag}-{i}"):

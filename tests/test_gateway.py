@@ -16,6 +16,7 @@ from prefixgate import (
     PromptTooLong,
     QueueFull,
     QueueTimeout,
+    Rule,
     ShuttingDown,
 )
 from prefixgate.testing import FakeClock, FakeEngine, FakeSamplingParams
@@ -54,6 +55,20 @@ async def test_whitespace_noise_is_canonicalized_before_keying(engine):
     assert stats.canonicalized == 1 and stats.chars_removed == 3
     assert stats.predicted_hit_tokens == stats.engine_cached_tokens == 20
     assert stats.completed == 2 and stats.requests == 2
+
+
+async def test_rule_sets_by_name_and_what_each_rule_changed_is_counted(engine):
+    async with Gateway(engine, GatewayConfig(canonicalize="prose")) as gw:
+        await drain(gw.generate("shared\tsystem prompt.  \r\nQ1", SP))
+        await drain(gw.generate("clean prompt", SP))
+        await drain(gw.generate("a  b \u00a0 c", SP))
+        rules = gw.statistics().canonicalize_rules
+    assert rules["newlines"].requests == 1 and rules["newlines"].chars_removed == 1
+    assert rules["tabs"].requests == 1 and rules["unicode_spaces"].requests == 1
+    assert rules["inner_spaces"].requests == 1 and set(rules) <= {r.value for r in Rule}
+    assert sum(r.chars_removed for r in rules.values()) == gw.statistics().chars_removed
+    with pytest.raises(ValueError, match="safe"):
+        GatewayConfig(canonicalize="lowercase")
 
 
 async def test_canonicalization_can_be_switched_off(engine):

@@ -11,8 +11,11 @@ them, admit only what fits, and stream results back::
 """
 
 from .canonicalize import (
+    RULE_SETS,
     CanonicalizeConfig,
     Canonicalized,
+    Rule,
+    RuleCount,
     canonicalize_messages,
     canonicalize_text,
 )
@@ -22,6 +25,7 @@ from .engine import Engine, EngineRequest, KvStats, SamplingCheck, Tokenizer
 from .errors import (
     EngineDead,
     EngineError,
+    EngineStalled,
     Evicted,
     InvalidRequest,
     Outcome,
@@ -32,12 +36,14 @@ from .errors import (
     QueueTimeout,
     RateLimited,
     Rejected,
+    RequestTooLarge,
     RetryableRejection,
     ShuttingDown,
+    UsageError,
 )
 from .gateway import Gateway
 from .keys import BlockHash, Namespace, block_hashes
-from .statistics import GatewayStatistics
+from .statistics import GatewayStatistics, RuleStats
 from .streaming import ResponseStream
 from .tickets import Ticket, TicketState
 from .vllm_engine import VllmEngine
@@ -45,6 +51,7 @@ from .vllm_engine import VllmEngine
 __version__ = "0.1.0"
 
 __all__ = (
+    "RULE_SETS",
     "BlockHash",
     "CanonicalizeConfig",
     "Canonicalized",
@@ -53,6 +60,7 @@ __all__ = (
     "EngineDead",
     "EngineError",
     "EngineRequest",
+    "EngineStalled",
     "Evicted",
     "FakeClock",
     "Gateway",
@@ -70,14 +78,19 @@ __all__ = (
     "QueueTimeout",
     "RateLimited",
     "Rejected",
+    "RequestTooLarge",
     "ResponseStream",
     "RetryableRejection",
+    "Rule",
+    "RuleCount",
+    "RuleStats",
     "SamplingCheck",
     "ShuttingDown",
     "TenantLimits",
     "Ticket",
     "TicketState",
     "Tokenizer",
+    "UsageError",
     "VllmEngine",
     "block_hashes",
     "canonicalize_messages",

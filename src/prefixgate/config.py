@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from .canonicalize import CanonicalizeConfig
+from .canonicalize import RULE_SETS, CanonicalizeConfig
 
 __all__ = ["INGRESS_MODES", "GatewayConfig", "TenantLimits"]
 
@@ -48,7 +48,10 @@ class GatewayConfig:
     """How a :class:`~prefixgate.Gateway` treats requests. Every field has a safe default.
 
     Ingress:
-        canonicalize: Whitespace rules applied to every prompt (see ``canonicalize.py``).
+        canonicalize: Whitespace rules applied to every prompt (see ``canonicalize.py``): a
+            :class:`~prefixgate.canonicalize.CanonicalizeConfig` or a rule set's name (``"safe"``,
+            the default, which never changes what a parser reads; ``"prose"`` for text you wrote
+            yourself; ``"aggressive"``; ``"legacy"``; ``"off"``).
         key_seed: Seed of every block-key digest.
         model_name: Overrides the engine's model name in block-key namespaces.
         isolate_tenants: Give each tenant its own prefix-cache namespace (vLLM ``cache_salt``),
@@ -118,7 +121,7 @@ class GatewayConfig:
             same value to bound the wait of admitted requests too.
     """
 
-    canonicalize: CanonicalizeConfig = field(default_factory=CanonicalizeConfig)
+    canonicalize: CanonicalizeConfig | str = field(default_factory=CanonicalizeConfig)
     key_seed: int = 0
     model_name: str | None = None
     isolate_tenants: bool = True
@@ -147,8 +150,12 @@ class GatewayConfig:
     max_queue_wait: float | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.canonicalize, str):
+            _check("canonicalize", self.canonicalize in RULE_SETS, self.canonicalize,
+                   f"a CanonicalizeConfig or one of {sorted(RULE_SETS)}")
+            object.__setattr__(self, "canonicalize", RULE_SETS[self.canonicalize])
         _check("canonicalize", isinstance(self.canonicalize, CanonicalizeConfig), self.canonicalize,
-               "a CanonicalizeConfig")
+               f"a CanonicalizeConfig or one of {sorted(RULE_SETS)}")
         _check("key_seed", 0 <= self.key_seed < 2**64, self.key_seed, "in [0, 2**64)")
         _check("ingress", self.ingress in INGRESS_MODES, self.ingress, f"one of {INGRESS_MODES}")
         _check("ingress_workers", self.ingress_workers is None or self.ingress_workers >= 1,

@@ -24,7 +24,7 @@ from typing import Any
 
 import xxhash
 
-from .canonicalize import CanonicalizeConfig, canonicalize_messages, canonicalize_text
+from .canonicalize import CanonicalizeConfig, RuleCount, canonicalize_messages, canonicalize_text
 from .clock import Clock
 from .config import GatewayConfig
 from .engine import Engine, SamplingCheck
@@ -77,7 +77,7 @@ class IngressRequest:
         token_ids: The prompt's token ids, for pre-tokenized prompts.
         canonicalized: For chat messages: whether canonicalizing their contents changed them.
         chars_removed: For chat messages: characters canonicalization removed.
-        edits: For chat messages: substitutions per rule.
+        rules: For chat messages: what each canonicalization rule changed.
     """
 
     request_id: str
@@ -96,7 +96,7 @@ class IngressRequest:
     token_ids: Sequence[int] | None = None
     canonicalized: bool = False
     chars_removed: int = 0
-    edits: Mapping[str, int] = field(default_factory=dict)
+    rules: Mapping[str, RuleCount] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -113,14 +113,14 @@ class Prepared:
         chain: One key per full block.
         canonicalized: Whether canonicalization changed the prompt.
         chars_removed: Characters canonicalization removed.
-        edits: Substitutions per canonicalization rule.
+        rules: What each canonicalization rule changed (rules that changed nothing absent).
     """
 
     token_ids: Sequence[int]
     chain: tuple[BlockHash, ...]
     canonicalized: bool = False
     chars_removed: int = 0
-    edits: Mapping[str, int] = field(default_factory=dict)
+    rules: Mapping[str, RuleCount] = field(default_factory=dict)
 
 
 def prepare(request: IngressRequest, *, encode: Encode, chains: ChainCache,
@@ -132,15 +132,15 @@ def prepare(request: IngressRequest, *, encode: Encode, chains: ChainCache,
     """
     if request.token_ids is not None:
         ids: Sequence[int] = request.token_ids
-        canon_changed, removed, edits = request.canonicalized, request.chars_removed, request.edits
+        canon_changed, removed, rules = request.canonicalized, request.chars_removed, request.rules
     else:
         assert request.text is not None
         if not request.canonical:
             canon = canonicalize_text(request.text, canonicalize)
-            text, canon_changed, removed, edits = canon.value, canon.changed, canon.chars_removed, canon.edits
+            text, canon_changed, removed, rules = canon.value, canon.changed, canon.chars_removed, canon.rules
         else:
             text = request.text
-            canon_changed, removed, edits = request.canonicalized, request.chars_removed, request.edits
+            canon_changed, removed, rules = request.canonicalized, request.chars_removed, request.rules
         try:
             ids = encode(text, request.add_special_tokens)
         except Exception as e:  # tokenizers raise anything from ValueError to Rust panics
@@ -150,7 +150,7 @@ def prepare(request: IngressRequest, *, encode: Encode, chains: ChainCache,
     except ValueError as e:
         raise InvalidRequest(f"invalid token ids: {e}") from None
     chain = chains.chain(data, request.root)
-    return Prepared(ids, chain, canon_changed, removed, edits)
+    return Prepared(ids, chain, canon_changed, removed, rules)
 
 
 def fast_encoder(tokenizer: Any) -> Encode | None:
@@ -296,7 +296,7 @@ class Ingress:
         text = self._render(canon.value)
         return IngressRequest(**fields, text=text, add_special_tokens=False, canonical=True,
                               canonicalized=canon.changed, chars_removed=canon.chars_removed,
-                              edits=canon.edits)
+                              rules=canon.rules)
 
     def _check_tenant(self, tenant: str | None) -> str | None:
         _check_name(tenant, "tenant", optional=True)
@@ -411,7 +411,7 @@ class Ingress:
             cache_salt=request.cache_salt, lora_request=request.lora_request,
             priority=request.priority, arrival=request.arrival,
             canonicalized=prepared.canonicalized, chars_removed=prepared.chars_removed,
-            seq=next(self._seq),
+            seq=next(self._seq), canonical_rules=prepared.rules,
         )
 
     def make_ticket(self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,

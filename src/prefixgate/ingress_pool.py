@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from .canonicalize import CanonicalizeConfig
+from .canonicalize import CanonicalizeConfig, RuleCount
 from .errors import InvalidRequest, PrefixgateError
 from .ingress import Encode, IngressRequest, Prepared, ids_from_bytes, prepare
 from .keys import BlockHash, ChainCache
@@ -289,12 +289,14 @@ class ProcessIngressPool:
                 worker = self._choose(request)
             message = ("prepare", (request.text, request.add_special_tokens, request.canonical,
                                    request.root))
-            packed, chain, changed, removed, edits = await self._call(worker, message, size)
+            packed, chain, changed, removed, counts = await self._call(worker, message, size)
         self.prepared += 1
         if request.canonical:
-            changed, removed, edits = request.canonicalized, request.chars_removed, request.edits
+            changed, removed, rules = request.canonicalized, request.chars_removed, request.rules
+        else:
+            rules = {name: RuleCount(*count) for name, count in counts.items()}
         keys: Sequence[BlockHash] = array("Q", chain)  # type: ignore[assignment]
-        return Prepared(ids_from_bytes(packed), tuple(keys), changed, removed, edits)
+        return Prepared(ids_from_bytes(packed), tuple(keys), changed, removed, rules)
 
     def _kill(self, worker: _Worker) -> None:
         with contextlib.suppress(ProcessLookupError):

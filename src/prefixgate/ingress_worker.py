@@ -71,10 +71,11 @@ class _Worker:
         from .keys import pack_tokens
 
         text, special, canonical, root = args
-        changed, removed, edits = False, 0, {}
+        changed, removed, counts = False, 0, {}
         if not canonical:
             canon = canonicalize_text(text, self.rules)
-            text, changed, removed, edits = canon.value, canon.changed, canon.chars_removed, dict(canon.edits)
+            text, changed, removed = canon.value, canon.changed, canon.chars_removed
+            counts = {name: (c.edits, c.chars_changed, c.chars_removed) for name, c in canon.rules.items()}
         try:
             ids = self.encode(text, special)
         except Exception as e:
@@ -84,7 +85,7 @@ class _Worker:
         except ValueError as e:
             return "invalid", f"invalid token ids: {e}"
         keys = array("Q", self.chains.chain(packed, root)).tobytes()
-        return "ok", (packed, keys, changed, removed, edits)
+        return "ok", (packed, keys, changed, removed, counts)
 
 
 def main() -> None:

@@ -11,7 +11,24 @@ from .engine import KvStats
 from .errors import Outcome
 from .tickets import Ticket
 
-__all__ = ["GatewayStatistics", "StatsRecorder"]
+__all__ = ["GatewayStatistics", "RuleStats", "StatsRecorder"]
+
+
+@dataclass(frozen=True, slots=True)
+class RuleStats:
+    """What one canonicalization rule changed over the accepted requests.
+
+    Attributes:
+        requests: Requests it changed.
+        edits: Substitutions it made.
+        chars_changed: Input characters it replaced or removed.
+        chars_removed: Characters it removed net (negative where it added).
+    """
+
+    requests: int = 0
+    edits: int = 0
+    chars_changed: int = 0
+    chars_removed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +41,8 @@ class GatewayStatistics:
         outcomes: Accepted requests that ended, by outcome name (``completed``, ``cancelled``…).
         canonicalized: Accepted requests whose prompt canonicalization changed.
         chars_removed: Characters removed by canonicalization, summed.
+        canonicalize_rules: Per canonicalization rule (by name), what it changed (at most one
+            entry per rule: a bounded set).
         queued: Requests waiting for dispatch now.
         running: Requests the engine is serving now.
         prompt_tokens: Prompt tokens of completed requests.
@@ -43,6 +62,7 @@ class GatewayStatistics:
     outcomes: Mapping[str, int] = field(default_factory=dict)
     canonicalized: int = 0
     chars_removed: int = 0
+    canonicalize_rules: Mapping[str, RuleStats] = field(default_factory=dict)
     queued: int = 0
     running: int = 0
     prompt_tokens: int = 0
@@ -76,6 +96,7 @@ class StatsRecorder:
         self.outcomes: Counter[str] = Counter()
         self.canonicalized = 0
         self.chars_removed = 0
+        self.rules: dict[str, list[int]] = {}  # rule -> [requests, edits, chars changed, removed]
         self.prompt_tokens = 0
         self.predicted_hit_tokens = 0
         self.engine_cached_tokens = 0
@@ -87,8 +108,17 @@ class StatsRecorder:
 
     def accept(self, ticket: Ticket) -> None:
         self.requests += 1
-        self.canonicalized += ticket.canonicalized
-        self.chars_removed += ticket.chars_removed
+        if ticket.canonicalized:
+            self.canonicalized += 1
+            self.chars_removed += ticket.chars_removed
+            for name, count in ticket.canonical_rules.items():
+                row = self.rules.get(name)
+                if row is None:
+                    row = self.rules[name] = [0, 0, 0, 0]
+                row[0] += 1
+                row[1] += count.edits
+                row[2] += count.chars_changed
+                row[3] += count.chars_removed
 
     def end(self, ticket: Ticket) -> None:
         assert ticket.outcome is not None
@@ -104,7 +134,9 @@ class StatsRecorder:
         return GatewayStatistics(
             requests=self.requests, refused=MappingProxyType(dict(self.refused)),
             outcomes=MappingProxyType(dict(self.outcomes)), canonicalized=self.canonicalized,
-            chars_removed=self.chars_removed, queued=queued, running=running,
+            chars_removed=self.chars_removed,
+            canonicalize_rules=MappingProxyType({k: RuleStats(*v) for k, v in self.rules.items()}),
+            queued=queued, running=running,
             prompt_tokens=self.prompt_tokens, predicted_hit_tokens=self.predicted_hit_tokens,
             engine_cached_tokens=self.engine_cached_tokens, kv=kv,
             rejected_reasons=MappingProxyType(dict(self.reasons)), reserved_blocks=reserved_blocks,

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .canonicalize import RuleCount
 from .errors import Outcome
 from .keys import BlockHash, Namespace
 
@@ -48,6 +49,8 @@ class Ticket:
         arrival: Gateway clock time at ingress.
         canonicalized: Whether canonicalization changed the prompt.
         chars_removed: Characters canonicalization removed.
+        canonical_rules: What each canonicalization rule changed (rules that changed nothing
+            absent).
         seq: Arrival sequence number (ties break on it).
         failure: Why the gateway ended it before the engine saw it (set by the gateway).
         kill: Why the gateway is ending it while the engine has it (stall, shutdown).
@@ -81,6 +84,7 @@ class Ticket:
     output_token_ids: tuple[int, ...] = ()
     granted: asyncio.Future[None] | None = field(default=None, repr=False)
     queue_key: Any = field(default=None, repr=False)
+    canonical_rules: Mapping[str, RuleCount] = field(default_factory=dict, repr=False)
     failure: Exception | None = field(default=None, repr=False)
     kill: Exception | None = field(default=None, repr=False)
     task: asyncio.Task[Any] | None = field(default=None, repr=False)
