@@ -108,6 +108,11 @@ async def test_predicted_hits_equal_vllm_num_cached_tokens_per_request(vllm_engi
                                           for i in range(start, start + 6)))
             streams.extend(s for s, _ in done)
         stats = gw.statistics()
+        pool = gw._pool
+        if ingress == "inline":
+            assert pool is None
+        else:  # the pool really did the work: it did not fall back to inline
+            assert pool is not None and pool.prepared == sum(len(p) >= 1024 for p in prompts)
     predicted = [s.predicted_hit_tokens for s in streams]
     reported = [s.cached_tokens for s in streams]
     assert predicted == reported

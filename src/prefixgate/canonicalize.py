@@ -184,6 +184,12 @@ class CanonicalizeConfig:
             roles[role] = config
         object.__setattr__(self, "roles", MappingProxyType(roles))
 
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        # Picklable (ingress worker processes get it): the read-only roles mapping is not.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["roles"] = dict(self.roles)
+        return _config_from_fields, (fields,)
+
     @classmethod
     def off(cls) -> CanonicalizeConfig:
         """A config that changes nothing."""
@@ -213,6 +219,10 @@ class CanonicalizeConfig:
 _SAFE = CanonicalizeConfig()
 _PROSE = dataclasses.replace(_SAFE, tabs=True, unicode_spaces=True, zero_width=True, protect_quotes=False,
                              protect_data=False, protect_markdown=False)
+def _config_from_fields(fields: dict[str, Any]) -> CanonicalizeConfig:
+    return CanonicalizeConfig(**fields)
+
+
 RULE_SETS: Mapping[str, CanonicalizeConfig] = MappingProxyType({
     "safe": _SAFE,
     "prose": _PROSE,

@@ -1,0 +1,61 @@
+"""Ingress off the event loop: worker processes and threads give the same tickets as inline."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from prefixgate import CanonicalizeConfig, Gateway, GatewayConfig, InvalidRequest, PromptTooLong
+from prefixgate.ingress_pool import ProcessIngressPool, ThreadIngressPool
+from prefixgate.testing import FakeSamplingParams, NullEngine
+
+TOKENIZER = AutoTokenizer.from_pretrained(str(Path(__file__).parent / "fixtures" / "tiny-llama"))
+SP = FakeSamplingParams(max_tokens=1)
+DOC = "A shared system prompt with  doubled spaces, a tab\there and a CRLF\r\n" * 40
+
+
+async def _drain(stream) -> list:
+    return [o async for o in stream]
+
+
+async def _tickets(ingress: str, prompts: list[str], **config) -> tuple[list, object]:
+    engine = NullEngine(tokenizer=TOKENIZER, max_model_len=4096)
+    async with Gateway(engine, GatewayConfig(ingress=ingress, **config)) as gw:
+        pool = gw._pool
+        streams = [gw.generate(p, SP) for p in prompts]
+        await asyncio.gather(*(_drain(s) for s in streams))
+        stats = gw.statistics()
+    return [s.ticket for s in streams], (pool, stats)
+
+
+@pytest.mark.parametrize(("ingress", "kind"), [("processes", ProcessIngressPool),
+                                               ("threads", ThreadIngressPool)])
+async def test_a_pool_prepares_exactly_what_inline_ingress_does(ingress, kind):
+    prompts = [DOC + f"question {i}?" for i in range(12)] + ["short prompt"]
+    config = {"canonicalize": CanonicalizeConfig.named("prose", roles={"system": "safe"})}
+    inline, (_, inline_stats) = await _tickets("inline", prompts, **config)
+    pooled, (pool, stats) = await _tickets(ingress, prompts, **config)
+    assert isinstance(pool, kind) and pool.prepared == 12  # the short one is prepared inline
+    for a, b in zip(inline, pooled, strict=True):
+        assert list(a.prompt_token_ids) == list(b.prompt_token_ids)
+        assert a.block_hashes == b.block_hashes and a.canonicalized == b.canonicalized
+        assert a.canonical_rules == b.canonical_rules
+    assert stats.canonicalize_rules == inline_stats.canonicalize_rules
+
+
+async def test_errors_only_tokenizing_reveals_come_at_the_first_output():
+    engine = NullEngine(tokenizer=TOKENIZER, max_model_len=1024)
+    async with Gateway(engine, GatewayConfig(ingress="processes")) as gw:
+        stream = gw.generate("word " * 3000, SP)  # under the character bound, over 1,023 tokens
+        assert stream.ticket is None
+        with pytest.raises(PromptTooLong) as info:
+            async for _ in stream:
+                pass
+        assert info.value.num_tokens > 1023
+        with pytest.raises(InvalidRequest):
+            gw.generate("", SP)  # what needs no tokenizer is still refused at the call
+        assert gw.statistics().refused == {"too_long": 1, "invalid": 1}
+        assert gw._live == {}
