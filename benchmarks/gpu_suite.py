@@ -4,17 +4,18 @@ Usage (on the device, after the recipe in ../shared/gpu/README.md)::
 
     python -m benchmarks.gpu_suite --part big --tokenizer tests/fixtures/tiny-llama --out $OUT \\
         --old .gpu-old --profile
-    python -m benchmarks.gpu_suite --part capped --tokenizer tests/fixtures/tiny-llama --out $OUT
+    python -m benchmarks.gpu_suite --part w1 --tokenizer tests/fixtures/tiny-llama --out $OUT
     python -m benchmarks.gpu_suite --part small --tokenizer tests/fixtures/tiny-llama --out $OUT
+    python -m benchmarks.gpu_suite --part capped --tokenizer tests/fixtures/tiny-llama --out $OUT
 
 Parts (one engine start each, or two for ``capped``):
 
 * ``big``: Llama-3-8B shape, KV uncapped: W3 p=0 (B1, L, L with ingress threads, L with ingress
-  inline, L at earlier commits from ``--old``, O), W3 p=0.5 and p=1.0 (B1, L, O), W1 (B1, L, O).
+  inline, L at earlier commits from ``--old``, O), W3 p=0.5 and p=1.0 (B1, L, O).
+* ``w1``: 8B shape, KV uncapped: W1 (B1, L, L with ingress threads, O).
+* ``small``: Llama-3.2-1B shape: W3 p=0 and W1 (B1, L, O).
 * ``capped``: 8B shape, KV capped at 64k tokens: W2 (B1, L, L with a 10% KV lookahead, O); then
-  the ``overload-short``
-  scenario (W4 at 2× and 0.8×, KV 128k).
-* ``small``: Llama-3.2-1B shape: W1 and W3 p=0 (B1, L, O).
+  the ``overload-short`` scenario (W4 at 2× and 0.8×, KV 128k).
 
 Arms are interleaved per repeat on one engine. B1 and O are driven exactly as the harness drives
 them at 4b29cb3 (the driver of bare arms did not change). ``--old DIR`` holds earlier commits'
@@ -41,7 +42,7 @@ from typing import Any
 
 __all__ = ["main"]
 
-PARTS = ("big", "capped", "small")
+PARTS = ("big", "w1", "small", "capped")
 
 
 def _old_gateways(old: Path | None) -> dict[str, Callable[[Any, Any], Any]]:
@@ -128,8 +129,6 @@ async def _bench(trace: Any, engine: Any, variants: Sequence[tuple[str, str, Any
 
 
 async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
-    from prefixgate import GatewayConfig
-
     from .engines import VllmFactory, make_gpu_model_dir
     from .harness import gateway_config
     from .run import format_table
@@ -160,25 +159,36 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         results["workloads"][name] = result
         _write(args.out / f"{part}.json", results)
 
-    if part in ("big", "small"):
+    if part == "big":
         engine = await factory.start(caching=True, kv_cap_tokens=None)
         try:
-            w3p0 = trace("W3", noise_p=0.0)
             variants = plain("W3")
-            if part == "big":
-                variants[2:2] = [("L threads", "L", GatewayConfig(ingress="threads")),
-                                 ("L inline", "L", GatewayConfig(ingress="inline"))]
-                variants[4:4] = [(label, "L", f) for label, f in _old_gateways(args.old).items()]
+            variants[2:2] = [("L threads", "L", gateway_config("W3", {"ingress": "threads"})),
+                             ("L inline", "L", gateway_config("W3", {"ingress": "inline"}))]
+            variants[4:4] = [(label, "L", f) for label, f in _old_gateways(args.old).items()]
             profile = None
             if args.profile:
                 olds = [label for label, _, _ in variants if label.startswith("L@")]
                 profile = {"L": args.out / "profile-L.txt"}
                 if olds:
-                    profile[olds[-1]] = args.out / "profile-L-old.txt"
-            await run("W3 p=0", w3p0, engine, variants, profile)
-            if part == "big":
-                for p in (0.5, 1.0):
-                    await run(f"W3 p={p:g}", trace("W3", noise_p=p), engine, plain("W3"))
+                    profile[olds[0]] = args.out / "profile-L-old.txt"
+            await run("W3 p=0", trace("W3", noise_p=0.0), engine, variants, profile)
+            for p in (0.5, 1.0):
+                await run(f"W3 p={p:g}", trace("W3", noise_p=p), engine, plain("W3"))
+        finally:
+            await engine.close()
+    elif part == "w1":
+        engine = await factory.start(caching=True, kv_cap_tokens=None)
+        try:
+            variants = plain("W1")
+            variants[2:2] = [("L threads", "L", gateway_config("W1", {"ingress": "threads"}))]
+            await run("W1", trace("W1"), engine, variants)
+        finally:
+            await engine.close()
+    elif part == "small":
+        engine = await factory.start(caching=True, kv_cap_tokens=None)
+        try:
+            await run("W3 p=0", trace("W3", noise_p=0.0), engine, plain("W3"))
             await run("W1", trace("W1"), engine, plain("W1"))
         finally:
             await engine.close()
