@@ -93,6 +93,8 @@ class LedgerMachine(RuleBasedStateMachine):
         assert self.ledger.reserved + self.ledger.free == self.capacity
         assert self.ledger.reserved == self._model_reserved(self.model)
         assert 0 <= self.ledger.free <= self.capacity and len(self.ledger) == len(self.model)
+        held = {key for keys, _ in self.model.values() for key in keys}
+        assert set(self.ledger._tree.index) == held  # the key index is exact
 
 
 TestLedger = LedgerMachine.TestCase

@@ -54,6 +54,7 @@ def test_matches_a_per_block_lru_under_any_sequence(capacity, ops):
             reference.insert(chain)
         assert mirror.match(chain) == reference.match(chain)
         assert len(mirror) == len(reference.keys) <= capacity
+        assert set(mirror._tree.index) == set(reference.keys)  # the key index is exact
 
 
 def test_a_long_chain_is_evicted_tail_first_in_one_step():

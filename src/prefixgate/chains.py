@@ -2,11 +2,12 @@
 
 A key stands for its whole prefix (keys.py), so a set of chains is a tree in which each key has
 one parent. :class:`ChainTree` stores it as a radix tree: each node (:class:`Run`) holds a run of
-consecutive keys that no chain enters or leaves in the middle. Finding how much of a chain is
-already in the tree is a walk over runs with a binary search in each (equal keys at position
-*i* mean equal keys before it); adding a chain creates at most one run and splits at most one;
-dropping a run drops all its keys at once. Nothing costs a Python step per key, so a 32k-token
-prompt (2,048 keys at block 16) costs what a 1k-token one does.
+consecutive keys that no chain enters or leaves in the middle, and an index maps every key to its
+run. Finding how much of a chain is already in the tree is a binary search over the chain's
+positions (the set is prefix-closed: a key's presence means every key before it is present),
+whatever the tree's depth (siblings that fork at many places along one prefix make it deep);
+adding a chain creates at most one run and splits at most one; dropping a run drops all its keys
+at once. Index updates are C-level bulk operations; nothing costs a Python step per key.
 
 Pure and synchronous; callers own any counters (the ledger's references, the mirror's recency)
 kept on the runs.
@@ -14,7 +15,9 @@ kept on the runs.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable, Sequence
+from itertools import repeat
 
 __all__ = ["ChainTree", "Run"]
 
@@ -57,13 +60,14 @@ class Run:
 class ChainTree:
     """A radix tree of whole-prefix key chains.
 
-    Invariant: ``size`` is the number of distinct keys held; every run is non-empty; a run's
-    kids start where it ends and have distinct first keys; a chain's keys are held iff every
-    run on its path is alive.
+    Invariant: ``size`` is the number of distinct keys held and ``index`` maps exactly those keys
+    to the run holding them; every run is non-empty; a run's kids start where it ends and have
+    distinct first keys; a chain's keys are held iff every run on its path is alive.
     """
 
     def __init__(self) -> None:
         self.roots: dict[Hashable, Run] = {}
+        self.index: dict[Hashable, Run] = {}
         self.size = 0
 
     def __len__(self) -> int:
@@ -75,27 +79,19 @@ class ChainTree:
         n = len(chain) if limit is None else min(len(chain), limit)
         if n == 0:
             return 0, None
-        run = self.roots.get(chain[0])
-        if run is None:
+        index = self.index
+        if chain[0] not in index:
             return 0, None
-        while True:
-            start, keys = run.start, run.keys
-            top = min(start + len(keys), n)
-            if chain[top - 1] != keys[top - 1 - start]:
-                lo, hi = start + 1, top - 1  # chain[lo - 1] matches, chain[hi] does not
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if chain[mid] == keys[mid - start]:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                return lo, run
-            if top == n or top < start + len(keys):
-                return top, run
-            nxt = run.kids.get(chain[top])
-            if nxt is None:
-                return top, run
-            run = nxt
+        if chain[n - 1] in index:
+            return n, index[chain[n - 1]]
+        lo, hi = 1, n - 1  # chain[lo - 1] is held, chain[hi] is not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if chain[mid] in index:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo, index[chain[lo - 1]]
 
     def split(self, run: Run, at: int) -> Run:
         """Splits ``run`` before position ``at`` (inside it) and returns the new upper run.
@@ -107,6 +103,7 @@ class ChainTree:
         k = at - run.start
         upper = Run(run.keys[:k], run.start, run.parent)
         upper.ref, upper.stamp = run.ref, run.stamp
+        self.index.update(zip(upper.keys, repeat(upper)))
         siblings = self.roots if run.parent is None else run.parent.kids
         siblings[upper.keys[0]] = upper
         run.keys = run.keys[k:]
@@ -129,6 +126,7 @@ class ChainTree:
         if m == n:
             return 0, run
         new = Run(tuple(chain[m:]), m, run)
+        self.index.update(zip(new.keys, repeat(new)))
         (self.roots if run is None else run.kids)[chain[m]] = new
         self.size += n - m
         return n - m, new
@@ -138,6 +136,7 @@ class ChainTree:
         siblings = self.roots if run.parent is None else run.parent.kids
         if siblings.get(run.keys[0]) is run:
             del siblings[run.keys[0]]
+        deque(map(self.index.pop, run.keys), maxlen=0)
         run.alive = False
         self.size -= len(run.keys)
         return len(run.keys)
@@ -146,6 +145,7 @@ class ChainTree:
         """Drops all but the first ``keep`` (>= 1) keys of a run that has no kids; returns how many
         keys that freed."""
         dropped = len(run.keys) - keep
+        deque(map(self.index.pop, run.keys[keep:]), maxlen=0)
         run.keys = run.keys[:keep]
         self.size -= dropped
         return dropped
@@ -156,6 +156,7 @@ class ChainTree:
         if len(run.kids) != 1 or run.ends:
             return run
         (kid,) = run.kids.values()
+        self.index.update(zip(run.keys, repeat(kid)))
         kid.keys = run.keys + kid.keys
         kid.start = run.start
         kid.parent = run.parent
@@ -168,6 +169,7 @@ class ChainTree:
     def clear(self) -> None:
         """Drops everything."""
         self.roots.clear()
+        self.index.clear()
         self.size = 0
 
     def __repr__(self) -> str:
