@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<I")
 _START_TIMEOUT = 60.0
+_BULK_NICE = 10  # the huge-prompt worker yields the CPU to everything else (started with the pool:
+# spawning it when the first huge prompt arrives costs the loop a fork of a large process)
 
 
 class IngressPoolError(PrefixgateError):
@@ -175,8 +177,10 @@ class ProcessIngressPool:
 
     async def _start(self) -> None:
         try:
-            self._workers = list(await asyncio.gather(
-                *(self._spawn(f"ingress-{i}", nice=0) for i in range(self.workers))))
+            *workers, bulk = await asyncio.gather(
+                *(self._spawn(f"ingress-{i}", nice=0) for i in range(self.workers)),
+                self._spawn("ingress-bulk", nice=_BULK_NICE))
+            self._workers, self._bulk = list(workers), bulk
         except BaseException:
             await self.aclose()
             raise
@@ -283,7 +287,7 @@ class ProcessIngressPool:
         async with self._slots:
             if size > self.bulk_chars:
                 if self._bulk is None or self._bulk.dead is not None:
-                    self._bulk = await self._spawn("ingress-bulk", nice=10)
+                    self._bulk = await self._spawn("ingress-bulk", nice=_BULK_NICE)
                 worker = self._bulk
             else:
                 worker = self._choose(request)
