@@ -233,6 +233,10 @@ class _ArmDriver:
 
     async def run(self, timeout: float | None) -> ArmRun:
         await self.engine.reset_prefix_cache()
+        if self.gateway is not None:
+            # A deployed gateway is started once (its ingress workers spawned, the tokenizer copied
+            # to them), not per request: start it before the measured window, as a service would.
+            await self.gateway.__aenter__()
         before = self.engine.preemptions()
         items = _order(self.arm, self.trace)
         records: list[RequestRecord | None] = [None] * len(items)
