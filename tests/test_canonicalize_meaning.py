@@ -21,9 +21,9 @@ Documents are checked as chat messages carry them: whole (LF and CRLF line ends)
 inside a prose user message (a system message in the same request uses the ``prose`` rules).
 Hypothesis then does the same for generated Markdown, YAML and JSON.
 
-Known limit (documented in ``canonicalize.py``): quote state does not cross a blank line, so a
-double-quoted YAML or CSV string that holds a blank line is protected only up to it; the
-generated YAML puts its blank lines between top-level entries.
+Known limit (documented in ``canonicalize/__init__.py``): quote state does not cross a blank
+line, so a double-quoted YAML or CSV string that holds a blank line is protected only up to it;
+the generated YAML puts its blank lines between top-level entries.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class GatewayConfig:
     """How a :class:`~prefixgate.Gateway` treats requests. Every field has a safe default.
 
     Ingress:
-        canonicalize: Whitespace rules applied to every prompt (see ``canonicalize.py``): a
+        canonicalize: Whitespace rules applied to every prompt (see ``canonicalize/``): a
             :class:`~prefixgate.canonicalize.CanonicalizeConfig` or a rule set's name (``"safe"``,
             the default, which never changes what a parser reads; ``"prose"`` for text you wrote
             yourself; ``"aggressive"``; ``"legacy"``; ``"off"``).
