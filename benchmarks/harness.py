@@ -397,8 +397,8 @@ def code_version() -> dict[str, Any]:
 
     package = Path(prefixgate.__file__).resolve().parent
     digest = hashlib.sha1()
-    for path in sorted(package.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(package.rglob("*.py")):  # subpackages too (canonicalize/)
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     out: dict[str, Any] = {"prefixgate": str(package), "src_sha1": digest.hexdigest()}
     root = Path(__file__).resolve().parent.parent
 
