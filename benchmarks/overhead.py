@@ -13,7 +13,9 @@ them with 3 random whitespace edits (W3's noise) plus a unique question, as text
 ids (the text's canonical tokens).
 
 * **Cost** (``gateway_us``): requests one at a time, the main process and every ingress worker
-  pinned to one core; CPU time over the main process's threads and the workers' processes
+  pinned to one core, in 3 rounds that interleave the variants (pool, inline, pre-tokenized, and
+  an earlier commit's gateway with ``--before``); medians over rounds of each round's p50/p99.
+  CPU time over the main process's threads and the workers' processes
   (``/proc/<pid>/schedstat``, nanoseconds) around each request, minus what the tokenizer alone
   costs on that prompt's canonical text (measured on its own, median of 3). Whatever a pool does,
   its cost is counted.
@@ -292,9 +294,19 @@ async def _cost_before(package: str, tokenizer: Any, prompts: Sequence[str], tok
     return {"package": package, "us_p50": _pct(costs, 0.5), "us_p99": _pct(costs, 0.99)}
 
 
+def _rounds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Median over rounds of each round's p50 and p99; every round kept."""
+    out = dict(results[0])
+    for key in ("us_p50", "us_p99"):
+        out[key] = statistics.median(r[key] for r in results)
+    out["rounds"] = [{k: r[k] for k in ("us_p50", "us_p99")} for r in results]
+    return out
+
+
 def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | None = None,
                  core: int | None = 0, throughput_s: float = 3.0, huge_chars: int = 2_000_000,
-                 huge_repeats: int = 3, seed: int = 0, before: str | None = None) -> dict[str, Any]:
+                 huge_repeats: int = 3, seed: int = 0, before: str | None = None,
+                 rounds: int = 3) -> dict[str, Any]:
     """Runs M1 and returns the JSON-ready result (see the module docstring)."""
     from transformers import AutoTokenizer
 
@@ -306,7 +318,7 @@ def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | 
     tokenizer = AutoTokenizer.from_pretrained(str(TINY_LLAMA))
     encode = fast_encoder(tokenizer)
     assert encode is not None, "the tiny Llama tokenizer is a Hugging Face fast tokenizer"
-    counts = dict(requests or {1024: 300, 2048: 300, 8192: 120, 32768: 40})
+    counts = dict(requests or {1024: 200, 2048: 200, 8192: 80, 32768: 30})
     out: dict[str, Any] = {"benchmark": "M1", "block_size": 16, "engine": "NullEngine",
                            "tokenizer": "tests/fixtures/tiny-llama", "cpus": os.cpu_count(),
                            "pinned_core": core, "code": code_version(), "sizes": {}}
@@ -327,21 +339,32 @@ def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | 
                     samples.append(time.thread_time_ns() - t0)
                 tok_ns.append(int(statistics.median(samples)))
             warm = 10
-            text_default = asyncio.run(_cost(tokenizer, texts[warm:], "processes", tok_ns[warm:], warm))
-            text_inline = asyncio.run(_cost(tokenizer, texts[warm:], "inline", tok_ns[warm:], warm))
-            pre = asyncio.run(_cost(tokenizer, ids[warm:], "inline", None, warm))
+            # Rounds interleave the variants, so a machine that slows down mid-run slows all alike;
+            # each figure is the median over rounds of the round's p50 (p99).
+            runs: dict[str, list[dict[str, Any]]] = {"pool": [], "inline": [], "pre": [], "before": []}
+            for _ in range(rounds):
+                runs["pool"].append(asyncio.run(_cost(tokenizer, texts[warm:], "processes", tok_ns[warm:],
+                                                      warm)))
+                runs["inline"].append(asyncio.run(_cost(tokenizer, texts[warm:], "inline", tok_ns[warm:],
+                                                        warm)))
+                runs["pre"].append(asyncio.run(_cost(tokenizer, ids[warm:], "inline", None, warm)))
+                if before is not None:
+                    runs["before"].append(asyncio.run(
+                        _cost_before(before, tokenizer, texts[warm:], tok_ns[warm:], warm)))
+            text_default, text_inline, pre = (_rounds(runs[k]) for k in ("pool", "inline", "pre"))
+            old = _rounds(runs["before"]) if runs["before"] else None
             stages = asyncio.run(_stages(tokenizer, texts[warm:]))
             stages_pre = asyncio.run(_stages(tokenizer, ids[warm:]))
             rate = asyncio.run(_throughput(tokenizer, ids, throughput_s))
-            old = None if before is None else asyncio.run(
-                _cost_before(before, tokenizer, texts[warm:], tok_ns[warm:], warm))
             entry = {
                 "tokens_mean": statistics.fmean(len(i) for i in ids), "requests": n,
                 "gateway_us_p50": text_default["us_p50"], "gateway_us_p99": text_default["us_p99"],
                 "ingress_mode": text_default["mode"],
                 "tokenize_us_p50": _pct([t / 1000 for t in tok_ns], 0.5),
                 "stages": stages,
-                "inline": {"gateway_us_p50": text_inline["us_p50"], "gateway_us_p99": text_inline["us_p99"]},
+                "inline": {"gateway_us_p50": text_inline["us_p50"], "gateway_us_p99": text_inline["us_p99"],
+                           "rounds": text_inline["rounds"]},
+                "pool_rounds": text_default["rounds"],
                 "pretokenized": {"gateway_us_p50": pre["us_p50"], "gateway_us_p99": pre["us_p99"],
                                  "stages": stages_pre, "max_req_per_s": rate},
             }
@@ -434,7 +457,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     p.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    p.add_argument("--requests", type=int, help="requests per size (default 300/300/120/40)")
+    p.add_argument("--requests", type=int, help="requests per size (default 200/200/80/30)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the cost measurement")
     p.add_argument("--core", type=int, default=0, help="CPU core to pin to (-1: no pinning)")
     p.add_argument("--throughput-seconds", type=float, default=3.0)
     p.add_argument("--huge-chars", type=int, default=2_000_000)
@@ -452,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     requests = {s: args.requests for s in sizes} if args.requests else None
     result = run_overhead(sizes=sizes, requests=requests, core=None if args.core < 0 else args.core,
                           throughput_s=args.throughput_seconds, huge_chars=args.huge_chars,
-                          huge_repeats=args.huge_repeats, before=before)
+                          huge_repeats=args.huge_repeats, before=before, rounds=args.rounds)
     print(format_table(result), flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
