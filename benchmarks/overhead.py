@@ -16,9 +16,9 @@ ids (the text's canonical tokens).
   pinned to one core, in 3 rounds that interleave the variants (pool, inline, pre-tokenized, and
   an earlier commit's gateway with ``--before``); medians over rounds of each round's p50/p99.
   CPU time over the main process's threads and the workers' processes
-  (``/proc/<pid>/schedstat``, nanoseconds) around each request, minus what the tokenizer alone
-  costs on that prompt's canonical text (measured on its own, median of 3). Whatever a pool does,
-  its cost is counted.
+  (``/proc/<pid>/schedstat``, nanoseconds) around each request, minus the CPU time the tokenizer
+  took for that very request (timed around the call: in this process, or by the worker, which
+  reports it). Whatever else a pool does, its cost is counted.
 * **Stages** (``stages``, µs p50): the same requests with ingress inline and each stage timed
   (wall clock, one core): canonicalize, tokenize, keys (pack + chain + intern), enqueue+schedule
   (enqueue and the pump), dispatch (the pump's grant to the engine's ``generate`` call: the task
@@ -151,9 +151,9 @@ def _engine(tokenizer: Any) -> Any:
     return NullEngine(tokenizer=tokenizer, block_size=16)
 
 
-async def _cost(tokenizer: Any, prompts: Sequence[Any], ingress: str, tokenize_ns: Sequence[int] | None,
-                warmup: int) -> dict[str, Any]:
-    """Sequential requests; CPU per request over every process, minus the tokenizer's."""
+async def _cost(tokenizer: Any, prompts: Sequence[Any], ingress: str, warmup: int) -> dict[str, Any]:
+    """Sequential requests; CPU per request over every process, minus what the tokenizer took
+    for that very request (timed around it, in the main process or reported by the worker)."""
     from prefixgate import Gateway, GatewayConfig
     from prefixgate.testing import FakeSamplingParams
 
@@ -162,18 +162,34 @@ async def _cost(tokenizer: Any, prompts: Sequence[Any], ingress: str, tokenize_n
     async with Gateway(engine, GatewayConfig(ingress=ingress)) as gw:
         pool = gw._pool
         pids = [w.process.pid for w in getattr(pool, "_workers", ())]
+        inline_ns = [0]
+        encode = gw._ingress.encode
+
+        def timed_encode(text: str, special: bool) -> Any:
+            t0 = time.thread_time_ns()
+            try:
+                return encode(text, special)
+            finally:
+                inline_ns[0] += time.thread_time_ns() - t0
+
+        gw._ingress.encode = timed_encode
+
+        def tokenized() -> int:
+            return inline_ns[0] + getattr(pool, "tokenize_ns", 0)
+
         for prompt in prompts[:warmup]:
             await _one(gw, prompt, params)
-        costs = []
+        costs, tokenize = [], []
         gc.collect()
-        for i, prompt in enumerate(prompts):
-            c0 = _cpu_ns(pids)
+        for prompt in prompts[warmup:]:
+            c0, k0 = _cpu_ns(pids), tokenized()
             await _one(gw, prompt, params)
-            c1 = _cpu_ns(pids)
-            costs.append((c1 - c0 - (tokenize_ns[i] if tokenize_ns else 0)) / 1000)
+            k = tokenized() - k0
+            costs.append((_cpu_ns(pids) - c0 - k) / 1000)
+            tokenize.append(k / 1000)
         mode = type(pool).__name__ if pool is not None else "inline"
     return {"mode": mode, "us_p50": _pct(costs, 0.5), "us_p99": _pct(costs, 0.99),
-            "us_mean": statistics.fmean(costs)}
+            "us_mean": statistics.fmean(costs), "tokenize_us_p50": _pct(tokenize, 0.5)}
 
 
 async def _stages(tokenizer: Any, prompts: Sequence[Any]) -> dict[str, float | None]:
@@ -271,25 +287,41 @@ async def _huge(tokenizer: Any, normal: Sequence[str], huge_chars: int, repeats:
             "repeats_ms": {"without": [x * 1e3 for x in without], "with": [x * 1e3 for x in with_]}}
 
 
-async def _cost_before(package: str, tokenizer: Any, prompts: Sequence[str], tokenize_ns: Sequence[int],
-                       warmup: int) -> dict[str, Any]:
+async def _cost_before(package: str, tokenizer: Any, prompts: Sequence[str], warmup: int) -> dict[str, Any]:
     """The same cost measurement through an earlier commit's gateway (text prompts, its own
-    inline ingress): ``package`` is that commit's ``src/prefixgate`` importable under a name."""
+    inline ingress): ``package`` is that commit's ``src/prefixgate`` importable under a name. The
+    tokenizer is timed around each call, as for the current gateway."""
     import importlib
 
     old = importlib.import_module(package)
     from prefixgate.testing import FakeSamplingParams
 
-    engine = _engine(tokenizer)
+    spent = [0]
+
+    class TimedTokenizer:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> Any:
+            t0 = time.thread_time_ns()
+            try:
+                return self.inner.encode(text, add_special_tokens=add_special_tokens)
+            finally:
+                spent[0] += time.thread_time_ns() - t0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    engine = _engine(TimedTokenizer(tokenizer))
     params = FakeSamplingParams(max_tokens=1)
     gw = old.Gateway(engine, old.GatewayConfig())
     for prompt in prompts[:warmup]:
         await _one(gw, prompt, params)
     costs = []
-    for i, prompt in enumerate(prompts):
-        c0 = _cpu_ns(())
+    for prompt in prompts[warmup:]:
+        c0, k0 = _cpu_ns(()), spent[0]
         await _one(gw, prompt, params)
-        costs.append((_cpu_ns(()) - c0 - tokenize_ns[i]) / 1000)
+        costs.append((_cpu_ns(()) - c0 - (spent[0] - k0)) / 1000)
     await gw.aclose()
     return {"package": package, "us_p50": _pct(costs, 0.5), "us_p99": _pct(costs, 0.99)}
 
@@ -330,27 +362,16 @@ def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | 
             texts = make_prompts(tokenizer, size, n + 10, seed)
             canon = [canonicalize_text(t).value for t in texts]
             ids = [encode(c, True) for c in canon]
-            tok_ns = []
-            for c in canon:
-                samples = []
-                for _ in range(3):
-                    t0 = time.thread_time_ns()
-                    encode(c, True)
-                    samples.append(time.thread_time_ns() - t0)
-                tok_ns.append(int(statistics.median(samples)))
             warm = 10
             # Rounds interleave the variants, so a machine that slows down mid-run slows all alike;
             # each figure is the median over rounds of the round's p50 (p99).
             runs: dict[str, list[dict[str, Any]]] = {"pool": [], "inline": [], "pre": [], "before": []}
             for _ in range(rounds):
-                runs["pool"].append(asyncio.run(_cost(tokenizer, texts[warm:], "processes", tok_ns[warm:],
-                                                      warm)))
-                runs["inline"].append(asyncio.run(_cost(tokenizer, texts[warm:], "inline", tok_ns[warm:],
-                                                        warm)))
-                runs["pre"].append(asyncio.run(_cost(tokenizer, ids[warm:], "inline", None, warm)))
+                runs["pool"].append(asyncio.run(_cost(tokenizer, texts, "processes", warm)))
+                runs["inline"].append(asyncio.run(_cost(tokenizer, texts, "inline", warm)))
+                runs["pre"].append(asyncio.run(_cost(tokenizer, ids, "inline", warm)))
                 if before is not None:
-                    runs["before"].append(asyncio.run(
-                        _cost_before(before, tokenizer, texts[warm:], tok_ns[warm:], warm)))
+                    runs["before"].append(asyncio.run(_cost_before(before, tokenizer, texts, warm)))
             text_default, text_inline, pre = (_rounds(runs[k]) for k in ("pool", "inline", "pre"))
             old = _rounds(runs["before"]) if runs["before"] else None
             stages = asyncio.run(_stages(tokenizer, texts[warm:]))
@@ -360,7 +381,7 @@ def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | 
                 "tokens_mean": statistics.fmean(len(i) for i in ids), "requests": n,
                 "gateway_us_p50": text_default["us_p50"], "gateway_us_p99": text_default["us_p99"],
                 "ingress_mode": text_default["mode"],
-                "tokenize_us_p50": _pct([t / 1000 for t in tok_ns], 0.5),
+                "tokenize_us_p50": statistics.median(r["tokenize_us_p50"] for r in runs["inline"]),
                 "stages": stages,
                 "inline": {"gateway_us_p50": text_inline["us_p50"], "gateway_us_p99": text_inline["us_p99"],
                            "rounds": text_inline["rounds"]},

@@ -7,8 +7,9 @@ tokenizer's Rust core as JSON, the block size, the canonicalization rules, a ``n
 and probe texts, answered with the probes' token ids (both with and without special tokens) so
 the pool can check this worker against the engine's tokenizer. Then ``prepare`` jobs:
 canonicalize, tokenize, pack and key one prompt; the reply is ``(job, status, payload)``: ``ok``
-with packed token ids and packed keys (bytes: cheap to pickle), ``invalid`` (the prompt cannot be
-tokenized) or ``error`` (a bug in the worker) with a message. Exits at end of input.
+with packed token ids and packed keys (bytes: cheap to pickle) and the tokenizer's CPU time,
+``invalid`` (the prompt cannot be tokenized) or ``error`` (a bug in the worker) with a message.
+Exits at end of input.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import pickle
 import struct
 import sys
+import time
 from array import array
 from typing import Any, BinaryIO
 
@@ -76,16 +78,18 @@ class _Worker:
             canon = canonicalize_text(text, self.rules)
             text, changed, removed = canon.value, canon.changed, canon.chars_removed
             counts = {name: (c.edits, c.chars_changed, c.chars_removed) for name, c in canon.rules.items()}
+        t0 = time.thread_time_ns()
         try:
             ids = self.encode(text, special)
         except Exception as e:
             return "invalid", f"could not tokenize the prompt: {type(e).__name__}: {e}"
+        tokenize_ns = time.thread_time_ns() - t0
         try:
             packed = pack_tokens(ids)
         except ValueError as e:
             return "invalid", f"invalid token ids: {e}"
         keys = array("Q", self.chains.chain(packed, root)).tobytes()
-        return "ok", (packed, keys, changed, removed, counts)
+        return "ok", (packed, keys, changed, removed, counts, tokenize_ns)
 
 
 def main() -> None:
