@@ -7,15 +7,20 @@ Usage (on the device, after the recipe in ../shared/gpu/README.md)::
     python -m benchmarks.gpu_suite --part w1 --tokenizer tests/fixtures/tiny-llama --out $OUT
     python -m benchmarks.gpu_suite --part small --tokenizer tests/fixtures/tiny-llama --out $OUT
     python -m benchmarks.gpu_suite --part capped --tokenizer tests/fixtures/tiny-llama --out $OUT
+    python -m benchmarks.gpu_suite --part w1,w2 --tokenizer tests/fixtures/tiny-llama --out $OUT
 
-Parts (one engine start each, or two for ``capped``):
+Parts (one engine start each, or two for ``capped``; several, comma-separated, run in turn):
 
 * ``big``: Llama-3-8B shape, KV uncapped: W3 p=0 (B1, L, L with ingress threads, L with ingress
   inline, L at earlier commits from ``--old``, O), W3 p=0.5 and p=1.0 (B1, L, O).
-* ``w1``: 8B shape, KV uncapped: W1 (B1, L, L with ingress threads, O).
+* ``w1``: 8B shape, KV uncapped: W1 (B1, L, "L wide", O). "L wide" is L with FCFS order and an
+  in-flight window of 4096: every request goes to vLLM as soon as it is prepared, as B1's do, so
+  what still separates it from B1 is the gateway's per-request and per-output path, not its
+  queue.
 * ``small``: Llama-3.2-1B shape: W3 p=0 and W1 (B1, L, O).
 * ``capped``: 8B shape, KV capped at 64k tokens: W2 (B1, L, L with a 10% KV lookahead, O); then
   the ``overload-short`` scenario (W4 at 2× and 0.8×, KV 128k).
+* ``w2``: the W2 half of ``capped`` (B1, L, O); ``w4``: its W4 half.
 
 Arms are interleaved per repeat on one engine. B1 and O are driven exactly as the harness drives
 them at 4b29cb3 (the driver of bare arms did not change). ``--old DIR`` holds earlier commits'
@@ -42,7 +47,7 @@ from typing import Any
 
 __all__ = ["main"]
 
-PARTS = ("big", "w1", "small", "capped")
+PARTS = ("big", "w1", "small", "capped", "w2", "w4")
 
 
 def _old_gateways(old: Path | None) -> dict[str, Callable[[Any, Any], Any]]:
@@ -181,7 +186,8 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         engine = await factory.start(caching=True, kv_cap_tokens=None)
         try:
             variants = plain("W1")
-            variants[2:2] = [("L threads", "L", gateway_config("W1", {"ingress": "threads"}))]
+            wide = gateway_config("W1", {"ordering": "fcfs", "max_in_flight": 4096})
+            variants[2:2] = [("L wide", "L", wide)]
             await run("W1", trace("W1"), engine, variants)
         finally:
             await engine.close()
@@ -192,15 +198,17 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
             await run("W1", trace("W1"), engine, plain("W1"))
         finally:
             await engine.close()
-    else:
+    if part in ("capped", "w2"):
         w2 = trace("W2")
         engine = await factory.start(caching=True, kv_cap_tokens=w2.kv_cap_tokens)
         try:
             variants = plain("W2")
-            variants[2:2] = [("L lookahead", "L", gateway_config("W2", {"kv_lookahead": 0.1}))]
+            if part == "capped":
+                variants[2:2] = [("L lookahead", "L", gateway_config("W2", {"kv_lookahead": 0.1}))]
             await run("W2", w2, engine, variants)
         finally:
             await engine.close()
+    if part in ("capped", "w4"):
         print("== W4 overload (short)", flush=True)
         result = await run_scenario("overload-short", factory, size=size, seed=args.seed,
                                     repeats=args.repeats, duration=args.duration)
@@ -218,7 +226,7 @@ def _write(path: Path, result: Mapping[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_suite", description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=PARTS, required=True)
+    p.add_argument("--part", required=True, help=f"one of {', '.join(PARTS)}, or several comma-separated")
     p.add_argument("--tokenizer", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--old", type=Path, help="directory of prefixgate_<commit> packages")
@@ -235,7 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.engine == "vllm-cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["PREFIXGATE_NO_PROGRESS"] = "1"
-    asyncio.run(_part(args.part, args))
+    parts = args.part.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        p.error(f"unknown part(s) {unknown}; known: {PARTS}")
+    for part in parts:
+        asyncio.run(_part(part, args))
     return 0
 
 
