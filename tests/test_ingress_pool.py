@@ -59,3 +59,24 @@ async def test_errors_only_tokenizing_reveals_come_at_the_first_output():
             gw.generate("", SP)  # what needs no tokenizer is still refused at the call
         assert gw.statistics().refused == {"too_long": 1, "invalid": 1}
         assert gw._live == {}
+
+
+async def test_a_huge_prompt_goes_to_the_bulk_worker_through_a_file_it_deletes(tmp_path, monkeypatch):
+    import prefixgate.ingress_pool as ingress_pool
+
+    spilled: list[str] = []
+    spill = ingress_pool._spill
+
+    def recording_spill(text: str) -> str:
+        spilled.append(spill(text))
+        return spilled[-1]
+
+    monkeypatch.setattr(ingress_pool, "_spill", recording_spill)
+    prompts = [DOC * 2 + "a long question?", DOC + "a short one?"]
+    inline, _ = await _tickets("inline", prompts)
+    pooled, (pool, _) = await _tickets("processes", prompts, ingress_bulk_chars=len(DOC) + 100)
+    assert pool.prepared == 2 and len(spilled) == 1  # only the long one went through a file
+    for a, b in zip(inline, pooled, strict=True):
+        assert list(a.prompt_token_ids) == list(b.prompt_token_ids)
+        assert a.block_hashes == b.block_hashes and a.canonicalized == b.canonicalized
+    assert not Path(spilled[0]).exists()  # the worker deleted it

@@ -6,7 +6,8 @@ and writes one length-prefixed pickled reply per job on stdout, as soon as it is
 tokenizer's Rust core as JSON, the block size, the canonicalization rules, a ``nice`` increment
 and probe texts, answered with the probes' token ids (both with and without special tokens) so
 the pool can check this worker against the engine's tokenizer. Then ``prepare`` jobs:
-canonicalize, tokenize, pack and key one prompt; the reply is ``(job, status, payload)``: ``ok``
+canonicalize, tokenize, pack and key one prompt (a huge one arrives as the path of a file
+holding its UTF-8 text, which the worker deletes once read); the reply is ``(job, status, payload)``: ``ok``
 with packed token ids and packed keys (bytes: cheap to pickle) and the tokenizer's CPU time,
 ``invalid`` (the prompt cannot be tokenized) or ``error`` (a bug in the worker) with a message.
 Exits at end of input.
@@ -14,6 +15,7 @@ Exits at end of input.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import struct
@@ -58,6 +60,9 @@ class _Worker:
         tokenizer_json, block_size, self.rules, nice, probes = args
         if nice and hasattr(os, "nice"):
             os.nice(nice)
+        if nice and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+            with contextlib.suppress(OSError):  # below nice 19 where Linux allows: runs only on
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # CPU no one else wants
         core = Tokenizer.from_str(tokenizer_json)
         batch = getattr(core, "encode_batch_fast", core.encode_batch)
 
@@ -73,6 +78,11 @@ class _Worker:
         from .keys import pack_tokens
 
         text, special, canonical, root = args
+        if isinstance(text, tuple):  # ("spilled", path): a huge prompt the pool wrote to a file
+            with open(text[1], "rb") as f:
+                data = f.read()
+            os.unlink(text[1])
+            text = data.decode("utf-8")
         changed, removed, counts = False, 0, {}
         if not canonical:
             canon = canonicalize_text(text, self.rules)
