@@ -211,7 +211,7 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
     if part in ("capped", "w4"):
         print("== W4 overload (short)", flush=True)
         result = await run_scenario("overload-short", factory, size=size, seed=args.seed,
-                                    repeats=args.repeats, duration=args.duration)
+                                    repeats=args.repeats, duration=args.duration, verbose=True)
         print(format_scenario(result), flush=True)
         results["workloads"]["W4 overload-short"] = result
         _write(args.out / f"{part}.json", results)

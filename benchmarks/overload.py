@@ -150,9 +150,10 @@ _PANELS = [["goodput_req_per_s", "goodput (req/s meeting the TTFT SLO)"],
 
 
 async def _setup(session: Session, workload: str, size: str, seed: int,
-                 burst: int) -> tuple[Trace, float, dict[str, Any]]:
+                 burst: int, capacity_repeats: int | None = None) -> tuple[Trace, float, dict[str, Any]]:
     """Starts the engine; measures the unloaded TTFT (the SLO) and capacity on a burst of the
-    workload with ``burst`` × its requests (enough for the ramp-up to amortize)."""
+    workload with ``burst`` × its requests (enough for the ramp-up to amortize), median of
+    ``capacity_repeats`` bursts (the session's repeats by default)."""
     tokenizer = session.factory.tokenizer()
     base = make_trace(workload, size, seed=seed, tokenizer=tokenizer, overrides=session.overrides)
     await session.start(base.kv_cap_tokens)
@@ -161,7 +162,7 @@ async def _setup(session: Session, workload: str, size: str, seed: int,
     big = base if burst == 1 else make_trace(
         workload, size, seed=seed, tokenizer=tokenizer,
         overrides={**session.overrides, "per_group": burst * base.shape.per_group})
-    await session.capacity(big)
+    await session.capacity(big, repeats=capacity_repeats)
     return base, slo, admission_settings(slo)
 
 
@@ -224,9 +225,11 @@ async def overload(session: Session, size: str, seed: int) -> dict[str, Any]:
 
 
 async def overload_short(session: Session, size: str, seed: int) -> dict[str, Any]:
-    """:func:`overload` cut to fit one 10-minute GPU call: capacity on a 1× burst, the arrival
-    window of ``--duration`` (default 15 s), and three variants: B1 and L at 2×, L at 0.8×."""
-    _, slo, admission = await _setup(session, "W4", size, seed, 1)
+    """:func:`overload` cut to fit one 10-minute GPU call: capacity on one 1× burst (three of
+    them, 256 W4 requests with 512-token outputs each on the GPU shape, took minutes), the
+    arrival window of ``--duration`` (default 15 s), and three variants: B1 and L at 2×, L at
+    0.8×."""
+    _, slo, admission = await _setup(session, "W4", size, seed, 1, capacity_repeats=1)
     cap = session.notes["capacity_req_per_s"]
     duration = session.duration or 15.0
     tokenizer = session.factory.tokenizer()
@@ -256,7 +259,7 @@ async def overload_short(session: Session, size: str, seed: int) -> dict[str, An
             "columns": _COLUMNS, "panels": _PANELS,
             "params": {"slo_ttft_s": slo, "slo_rule": _slo_rule("W4"), "admission": admission,
                        "duration_s": duration, "loads": [OVERLOAD_LOAD, REFERENCE_LOAD],
-                       "capacity_burst": 1,
+                       "capacity_burst": 1, "capacity_repeats": 1,
                        "traces": {k: dict(t.params) for k, t in traces.items()}}}
 
 

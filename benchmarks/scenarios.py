@@ -101,11 +101,13 @@ class Session:
         overrides: Shape fields applied to every trace the scenario generates (tiny test sizes,
             what-ifs); scenarios that size their traces themselves keep their ``per_group``.
         duration: Seconds of arrivals, for scenarios that run for a set time.
+        verbose: Print each stage (engine start, unloaded TTFT, capacity, every run) with the
+            seconds since the scenario began: for machines without a progress bar.
     """
 
     def __init__(self, factory: EngineFactory, *, repeats: int, progress: bool,
                  arm_timeout: float | None, overrides: Mapping[str, Any] | None = None,
-                 duration: float | None = None) -> None:
+                 duration: float | None = None, verbose: bool = False) -> None:
         self.factory = factory
         self.overrides = dict(overrides or {})
         self.duration = duration
@@ -115,11 +117,20 @@ class Session:
         self.engine: RunningEngine | None = None
         self.bar: Any = None
         self.notes: dict[str, Any] = {}
+        self.verbose = verbose
+        self._t0 = time.perf_counter()
+
+    def log(self, message: str) -> None:
+        """Prints ``message`` with the seconds since the scenario began, if ``verbose``."""
+        if self.verbose:
+            print(f"  [{time.perf_counter() - self._t0:7.1f} s] {message}", flush=True)
 
     async def start(self, kv_cap_tokens: int | None) -> RunningEngine:
         """Starts the scenario's engine (once)."""
+        self.log("starting the engine")
         self.engine = await self.factory.start(caching=True, kv_cap_tokens=kv_cap_tokens)
         self.notes["engine_on"] = self.engine.describe()
+        self.log("engine started")
         return self.engine
 
     async def close(self) -> None:
@@ -130,18 +141,21 @@ class Session:
             self.bar.close()
 
     async def capacity(self, trace: Trace, *, arm: str = "B1", gateway: Mapping[str, Any] | None = None,
-                       name: str = "capacity_req_per_s") -> float:
-        """``arm``'s req/s on a burst of ``trace`` (:func:`measure_capacity`), median over repeats,
-        noted as ``name`` (the 10th-90th percentile rate beside it, for reference)."""
+                       name: str = "capacity_req_per_s", repeats: int | None = None) -> float:
+        """``arm``'s req/s on a burst of ``trace`` (:func:`measure_capacity`), median over
+        ``repeats`` (the session's by default), noted as ``name`` (the 10th-90th percentile rate
+        beside it, for reference)."""
         assert self.engine is not None
         config = gateway_config(trace.workload, gateway) if arm == "L" else None
         values, steady = [], []
-        for _ in range(self.repeats):
+        for i in range(self.repeats if repeats is None else repeats):
+            self.log(f"capacity burst {i + 1} ({len(trace.requests)} requests, {arm})")
             detail: dict[str, Any] = {}
             values.append(await measure_capacity(trace, self.engine, arm=arm, config=config,
                                                  timeout=self.arm_timeout, detail=detail))
             steady.append(detail["steady_req_per_s"])
         self.notes[name] = statistics.median(values)
+        self.log(f"capacity {self.notes[name]:.3g} req/s")
         self.notes[f"{name}_repeats"] = values
         self.notes[f"{name}_burst_requests"] = len(trace.requests)
         self.notes[f"{name}_steady_10_90"] = statistics.median(steady)
@@ -159,6 +173,7 @@ class Session:
                                    arrivals=dataclasses.replace(trace.arrivals, kind="closed", rate=None,
                                                                 concurrency=1, capacity_multiple=None))
         cold, warm = [], []
+        self.log("unloaded TTFT")
         for repeat in range(self.repeats):
             run = await run_arm("B1", -2 - repeat, pair, self.engine, timeout=self.arm_timeout)
             a, b = run.records
@@ -181,6 +196,8 @@ class Session:
         for repeat in range(self.repeats):
             for v in variants:
                 say(self.bar, f"{v.label} repeat {repeat + 1}/{self.repeats}")
+                self.log(f"{v.label} repeat {repeat + 1}/{self.repeats} "
+                         f"({len(traces[v.trace].requests)} requests)")
                 trace = traces[v.trace]
                 config = gateway_config(trace.workload, v.gateway) if v.arm == "L" else None
                 runs[v.label].append(await run_arm(
@@ -543,7 +560,7 @@ SCENARIOS = ("starvation", "flood", "noisy", "overload", "overload-short", "no-r
 async def run_scenario(name: str, factory: EngineFactory, *, size: str, seed: int = 0, repeats: int = 3,
                        progress: bool = False, arm_timeout: float | None = None,
                        overrides: Mapping[str, Any] | None = None,
-                       duration: float | None = None) -> dict[str, Any]:
+                       duration: float | None = None, verbose: bool = False) -> dict[str, Any]:
     """Runs scenario ``name`` and returns its JSON-ready result (``arms`` holds one summary per
     variant; ``checks`` the must-show checks with measured values and bounds). ``overrides``
     and ``duration`` change the scenario's traces (see :class:`Session`).
@@ -556,7 +573,7 @@ async def run_scenario(name: str, factory: EngineFactory, *, size: str, seed: in
     wall0 = time.perf_counter()
     code = code_version()  # what this process imported, before anyone edits src/ under it
     session = Session(factory, repeats=repeats, progress=progress, arm_timeout=arm_timeout,
-                      overrides=overrides, duration=duration)
+                      overrides=overrides, duration=duration, verbose=verbose)
     try:
         body = await _registry()[name](session, size, seed)
     finally:
