@@ -80,3 +80,40 @@ async def test_a_huge_prompt_goes_to_the_bulk_worker_through_a_file_it_deletes(t
         assert list(a.prompt_token_ids) == list(b.prompt_token_ids)
         assert a.block_hashes == b.block_hashes and a.canonicalized == b.canonicalized
     assert not Path(spilled[0]).exists()  # the worker deleted it
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+async def test_the_bulk_worker_is_held_still_while_ordinary_prompts_are_prepared_but_never_for_long():
+    from prefixgate.ingress_pool import _Pauser
+
+    proc = await asyncio.create_subprocess_exec("sleep", "30")
+    try:
+        pauser = _Pauser(max_pause=0.3)
+        pauser.job_started(proc.pid, ordinary_busy=True)  # a huge prompt arrives amid others
+        await asyncio.sleep(0.05)
+        assert _state(proc.pid) == "T"
+        pauser.resume()  # the ordinary ones are done
+        await asyncio.sleep(0.05)
+        assert _state(proc.pid) == "S"
+        pauser.pause()  # more arrive: held again, for what is left of its 0.3 s
+        await asyncio.sleep(0.05)
+        assert _state(proc.pid) == "T"
+        await asyncio.sleep(0.4)  # ordinary work never stops: it goes on anyway
+        assert _state(proc.pid) == "S" and 0.25 < pauser.paused < 0.45
+        pauser.pause()  # its budget is spent: no more pauses for this job
+        await asyncio.sleep(0.05)
+        assert _state(proc.pid) == "S" and pauser.pauses == 2
+        pauser.job_ended()
+        pauser.job_started(proc.pid, ordinary_busy=True)  # the next job has a budget again
+        await asyncio.sleep(0.05)
+        assert _state(proc.pid) == "T"
+        pauser.job_ended()
+        await asyncio.sleep(0.05)
+        assert _state(proc.pid) == "S"
+    finally:
+        proc.kill()
+        await proc.wait()
