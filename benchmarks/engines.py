@@ -267,15 +267,17 @@ class _BareVllm:
 
 
 class _VllmRunning:
-    def __init__(self, engine: Any, caching: bool) -> None:
+    def __init__(self, engine: Any, caching: bool, detokenize: bool = True) -> None:
         self.engine = engine
         self.clock: Clock = MonotonicClock()
         self.caching = caching
+        self.detokenize = detokenize
 
     def sampling_params(self, max_tokens: int) -> Any:
         from vllm import SamplingParams
 
-        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                              detokenize=self.detokenize)
 
     async def reset_prefix_cache(self) -> None:
         for _ in range(100):  # aborted requests may still hold blocks for a few steps
@@ -313,15 +315,21 @@ class VllmFactory:
     Args:
         name: ``"vllm-cpu"`` or ``"vllm"`` (GPU).
         model_dir: A model directory with ``config.json`` and the tokenizer files.
+        detokenize: vLLM's ``SamplingParams.detokenize`` for every arm. ``False`` takes vLLM's
+            incremental detokenizer off its frontend's event loop: with dummy weights the model
+            samples ids the small test tokenizer does not know, and detokenizing them was 89% of
+            that loop on the H200 (a benchmark artifact that makes every arm frontend-bound).
+            The default keeps the bare arms driven as they always were.
     """
 
     concurrent_engines = False
 
-    def __init__(self, name: str, model_dir: str) -> None:
+    def __init__(self, name: str, model_dir: str, *, detokenize: bool = True) -> None:
         if name not in ("vllm-cpu", "vllm"):
             raise ValueError(f"VllmFactory name must be 'vllm-cpu' or 'vllm', got {name!r}")
         self.name = name
         self.model_dir = model_dir
+        self.detokenize = detokenize
         self.block_size_hint = 128 if name == "vllm-cpu" else 16
         self._tokenizer: Any = None
 
@@ -357,7 +365,7 @@ class VllmFactory:
 
         args = self.engine_args(caching=caching, kv_cap_tokens=kv_cap_tokens)
         engine = VllmEngine.from_engine_args(args) if caching else _BareVllm(args)
-        running = _VllmRunning(engine, caching)
+        running = _VllmRunning(engine, caching, self.detokenize)
         try:
             if engine.block_size != self.block_size_hint and kv_cap_tokens is not None:
                 raise RuntimeError(f"block size is {engine.block_size}, not {self.block_size_hint}: "

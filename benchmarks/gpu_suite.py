@@ -141,13 +141,14 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
     from .workloads import make_trace
 
     shape = "1b" if part == "small" else "8b"
+    detok = not args.no_detokenize
     if args.engine == "vllm-cpu":  # a dry run of the same code paths on this machine
-        factory, size = VllmFactory("vllm-cpu", str(args.tokenizer)), "cpu"
+        factory, size = VllmFactory("vllm-cpu", str(args.tokenizer), detokenize=detok), "cpu"
     else:
         model_dir = make_gpu_model_dir(str(args.tokenizer), f"/tmp/prefixgate-bench-{shape}", shape=shape)
-        factory, size = VllmFactory("vllm", model_dir), "gpu"
+        factory, size = VllmFactory("vllm", model_dir, detokenize=detok), "gpu"
     tokenizer = factory.tokenizer()
-    results: dict[str, Any] = {"part": part, "shape": shape, "workloads": {}}
+    results: dict[str, Any] = {"part": part, "shape": shape, "detokenize": detok, "workloads": {}}
 
     def trace(workload: str, **overrides: Any) -> Any:
         return make_trace(workload, size, seed=args.seed, tokenizer=tokenizer, overrides=overrides)
@@ -234,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=15.0, help="W4: seconds of arrivals")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-detokenize", action="store_true",
+                   help="SamplingParams(detokenize=False) for every arm (B1, L and O alike): takes the "
+                        "dummy model's out-of-vocabulary detokenizing off vLLM's event loop")
     p.add_argument("--engine", choices=["vllm", "vllm-cpu"], default="vllm",
                    help="vllm-cpu: a dry run with the tiny Llama (--tokenizer is its directory)")
     args = p.parse_args(argv)
