@@ -173,20 +173,20 @@ async def test_queue_is_bounded_and_fcfs_with_an_in_flight_window(engine):
     engine.step = asyncio.Event()
     config = GatewayConfig(ordering="fcfs", max_in_flight=1, max_queue_len=2)
     async with Gateway(engine, config) as gw:
-        # Arrivals in one loop iteration are all queued before the first dispatch decision.
+        # What still waits after the dispatch decision counts, not same-tick arrivals: r0 runs,
+        # r1 and r2 wait, r3 is refused.
         streams = [gw.generate(f"prompt {i}", SP, request_id=f"r{i}") for i in range(4)]
         tasks = [asyncio.create_task(drain(s)) for s in streams]
         for _ in range(5):
             await asyncio.sleep(0)
-        assert gw.statistics().running == 1 and gw.statistics().queued == 1
-        for late in tasks[2:]:
-            with pytest.raises(QueueFull) as info:
-                await late
-            assert info.value.reason == "queue_full" and info.value.retry_after > 0
+        assert gw.statistics().running == 1 and gw.statistics().queued == 2
+        with pytest.raises(QueueFull) as info:
+            await tasks[3]
+        assert info.value.reason == "queue_full" and info.value.retry_after > 0
         engine.step.set()
-        await asyncio.gather(*tasks[:2])
-    assert engine.started == ["r0", "r1"]
-    assert gw.statistics().refused == {"queue_full": 2}
+        await asyncio.gather(*tasks[:3])
+    assert engine.started == ["r0", "r1", "r2"]
+    assert gw.statistics().refused == {"queue_full": 1}
 
 
 async def test_queue_timeout_evicts_a_waiting_request(engine):

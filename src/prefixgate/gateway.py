@@ -34,6 +34,7 @@ from .errors import (
     Outcome,
     Overloaded,
     PrefixgateError,
+    QueueFull,
     QueueTimeout,
     RateLimited,
     Rejected,
@@ -217,6 +218,35 @@ class Gateway:
                 raise
             self._live[request.request_id] = ticket
         return ResponseStream(self, request, ticket)
+
+    async def submit(self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
+                     request_id: str | None = None, lora_request: Any = None,
+                     priority: int = 0) -> ResponseStream:
+        """Validates, prepares and admits a request; returns its stream once it is admitted
+        (queued or already dispatched), before any engine call and before any output.
+
+        Where :meth:`generate` reports refusals at the first output, ``submit`` raises every one
+        of them here, so a service can choose its response (an HTTP status, a retry) before it
+        starts streaming. Iterate the returned stream promptly: it holds a place in the queue
+        (or an engine slot) until it is iterated to the end, closed or collected. Takes the
+        same arguments as :meth:`generate`.
+
+        A tenant over its request rate waits here for its slot, as in :meth:`generate`.
+
+        Raises:
+            QueueFull: ``max_queue_len`` requests still wait after the pending dispatch.
+            Overloaded: The predicted queue wait exceeds ``max_queue_wait``.
+            PromptTooLong: Tokenizing showed more tokens than the model allows.
+            Everything :meth:`generate` raises.
+        """
+        stream = self.generate(prompt, sampling_params, tenant=tenant, request_id=request_id,
+                               lora_request=lora_request, priority=priority)
+        try:
+            await self._enter(stream)
+        except BaseException:
+            stream._abandon()
+            raise
+        return stream
 
     def try_generate(self, prompt: Prompt, sampling_params: Any = None, *,
                      tenant: str | None = None, request_id: str | None = None,
@@ -500,7 +530,15 @@ class Gateway:
                 await throttle.acquire()
                 self._check_open()
             self._check_load(ticket)
-            self._scheduler.enqueue(ticket)
+            try:
+                self._scheduler.enqueue(ticket)
+            except QueueFull:
+                if not self._pump_scheduled:
+                    raise  # every waiting request was already offered to the engine: truly full
+                # Arrivals of this loop iteration wait for the pump: run it now and count what
+                # still waits after it, so an idle gateway takes a burst it can dispatch.
+                self._pump_now()
+                self._scheduler.enqueue(ticket)
         except (Rejected, ShuttingDown, EngineDead) as e:
             self._stats.refuse(e.outcome, getattr(e, "reason", None))
             raise
@@ -508,11 +546,10 @@ class Gateway:
 
     # -- serving ----------------------------------------------------------------------------
 
-    async def _serve(self, stream: ResponseStream) -> AsyncGenerator[Any, None]:
-        """Prepares (if not yet), queues, dispatches and streams one request; releases
-        everything it held on exit."""
+    async def _enter(self, stream: ResponseStream) -> None:
+        """Prepares (if not yet) and admits (if not dispatched at the call) ``stream``'s request:
+        every refusal is raised here. Once."""
         request, ticket = stream.request, stream.ticket
-        admitted = stream.admitted
         try:
             if ticket is None:
                 try:
@@ -522,11 +559,22 @@ class Gateway:
                     raise
                 stream._ticket = ticket
                 self._live[request.request_id] = ticket
-            if not admitted:
+            if not stream.admitted:
                 await self._admit(ticket)
+                self._schedule_pump()
         except BaseException:
             self._live.pop(request.request_id, None)
             raise
+        stream._entered = True
+
+    async def _serve(self, stream: ResponseStream) -> AsyncGenerator[Any, None]:
+        """Prepares (if not yet), queues, dispatches and streams one request; releases
+        everything it held on exit."""
+        if not stream.entered:
+            await self._enter(stream)
+        ticket = stream.ticket
+        assert ticket is not None
+        admitted = stream.admitted
         dispatched = admitted
         try:
             if not admitted:
@@ -713,10 +761,11 @@ class Gateway:
             self._pump_now()
 
     def _forget(self, stream: ResponseStream) -> None:
-        """Ends a stream that was never iterated: frees its id and, for a ``try_generate``
-        stream that was dispatched, its reservations."""
+        """Ends a stream that was never iterated: frees its id and, for a stream admitted at
+        the call (``submit``, ``try_generate``), its place in the queue or its reservations."""
         ticket = stream.ticket
-        if stream.admitted and ticket is not None and ticket.state is TicketState.RUNNING:
+        if (stream.admitted or stream.entered) and ticket is not None and (
+                ticket.state in (TicketState.QUEUED, TicketState.RUNNING)):
             ticket.outcome = Outcome.CANCELLED
             with contextlib.suppress(RuntimeError):  # no running loop (interpreter teardown)
                 self._release(ticket)

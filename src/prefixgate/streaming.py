@@ -36,10 +36,16 @@ class ResponseStream(AsyncIterator[Any]):
         self._ticket = ticket
         self._agen: AsyncGenerator[Any, None] | None = None
         self._admitted = False
+        self._entered = False
         self._busy = False
 
     def _dispatched_early(self) -> None:
         self._admitted = True  # try_generate: already holds its slot and reservation
+        self._entered = True
+
+    def _abandon(self) -> None:
+        """A stream whose admission failed: nothing to free later (its id is already free)."""
+        self._agen = _closed()
 
     def __del__(self) -> None:
         if self._agen is None:  # never iterated: free its id (and a try_generate reservation)
@@ -54,6 +60,12 @@ class ResponseStream(AsyncIterator[Any]):
     def admitted(self) -> bool:
         """Whether the request was dispatched at the call (``try_generate``)."""
         return self._admitted
+
+    @property
+    def entered(self) -> bool:
+        """Whether the request was prepared and admitted (queued or dispatched): true once
+        :meth:`Gateway.submit` returned it, or after the first output of :meth:`Gateway.generate`."""
+        return self._entered
 
     @property
     def request_id(self) -> str:
