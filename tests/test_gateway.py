@@ -118,7 +118,7 @@ async def test_bad_request_fields_are_invalid(engine, kwargs):
 async def test_bad_sampling_params_are_invalid(engine):
     async with Gateway(engine) as gw:
         with pytest.raises(InvalidRequest, match="FakeSamplingParams"):
-            gw.generate("ok", {"max_tokens": 3})
+            gw.generate("ok", ["max_tokens", 3])  # neither its params object nor a mapping
         with pytest.raises(InvalidRequest, match=">= 1"):
             gw.generate("ok", FakeSamplingParams(max_tokens=0))
 

@@ -85,3 +85,15 @@ async def test_a_burst_an_idle_gateway_can_run_is_not_refused_by_a_short_queue(e
     assert all(o[-1].finished for o in outs)
     stats = gw.statistics()
     assert stats.refused == {} and stats.outcomes == {"completed": 40}
+
+
+async def test_sampling_parameters_as_a_mapping_are_built_by_the_engine(engine):
+    from prefixgate import InvalidRequest
+
+    async with Gateway(engine) as gw:
+        outs = await drain(gw.generate("hello", {"max_tokens": 3}))
+        with pytest.raises(InvalidRequest, match="invalid sampling parameters"):
+            gw.generate("hello", {"max_tokens": 3, "no_such_field": 1})
+        with pytest.raises(InvalidRequest):
+            gw.generate("hello", {"max_tokens": 0})
+    assert outs[-1].finished and len(outs) == 3

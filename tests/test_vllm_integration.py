@@ -195,7 +195,7 @@ async def test_bad_input_against_the_real_engine(vllm_engine):
         with pytest.raises(PromptTooLong, match="characters"):  # far too long: refused at the call
             gw.generate("word " * 60_000, sp())
         with pytest.raises(InvalidRequest, match="SamplingParams"):
-            gw.generate("hi", {"max_tokens": 3})
+            gw.generate("hi", "max_tokens=3")  # neither SamplingParams nor a mapping of its fields
         with pytest.raises(InvalidRequest, match="UTF-8"):
             gw.generate(b"\xc3\x28", sp())
         refused = gw.generate("hi", SamplingParams(max_tokens=4, logprobs=10_000))
@@ -207,3 +207,15 @@ async def test_bad_input_against_the_real_engine(vllm_engine):
     assert out.finished
     assert stats.outcomes == {"invalid": 1, "completed": 1}
     assert stats.refused == {"too_long": 2, "invalid": 2}
+
+
+async def test_sampling_parameters_vllm_refuses_are_invalid_requests_at_the_call(vllm_engine):
+    from prefixgate import InvalidRequest
+
+    async with Gateway.for_vllm(vllm_engine) as gw:
+        for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"no_such_field": 1}):
+            with pytest.raises(InvalidRequest, match="invalid sampling parameters"):
+                gw.generate("a prompt", bad)
+        outs = [o async for o in gw.generate("a prompt", {"max_tokens": 3, "temperature": 0.0,
+                                                          "ignore_eos": True})]
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3

@@ -159,6 +159,11 @@ class Engine(Protocol):
         """Sampling parameters used when a caller gives none."""
         ...
 
+    # Optional: ``build_sampling_params(fields: Mapping[str, Any]) -> Any`` builds the engine's
+    # sampling parameters from a mapping of their fields (``generate(prompt, {"max_tokens": 64})``)
+    # and raises ``InvalidRequest`` for what its constructor refuses. Engines without it take
+    # only their own parameters object.
+
     def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
         """Validates ``sampling_params`` for this engine.
 

@@ -259,6 +259,12 @@ class Ingress:
             raise InvalidRequest(f"priority must be an int, got {priority!r}")
         if sampling_params is None:
             sampling_params = self.engine.default_sampling_params()
+        elif isinstance(sampling_params, Mapping):  # fields, as a JSON request body carries them
+            build = getattr(self.engine, "build_sampling_params", None)
+            if build is None:
+                raise InvalidRequest(f"{type(self.engine).__name__} takes its own sampling "
+                                     "parameters object, not a mapping")
+            sampling_params = build(sampling_params)
         check = self.engine.check_sampling_params(sampling_params)
         lora_name = getattr(lora_request, "lora_name", None) if lora_request is not None else None
         isolated = tenant if self.config.isolate_tenants else None

@@ -111,6 +111,13 @@ class FakeEngine:
     def default_sampling_params(self) -> FakeSamplingParams:
         return FakeSamplingParams()
 
+    def build_sampling_params(self, fields: Mapping[str, Any]) -> FakeSamplingParams:
+        """``FakeSamplingParams(**fields)``; an unknown field is ``InvalidRequest``."""
+        try:
+            return FakeSamplingParams(**fields)
+        except TypeError as e:
+            raise InvalidRequest(f"invalid sampling parameters: {e}") from None
+
     def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
         if not isinstance(sampling_params, FakeSamplingParams):
             raise InvalidRequest("FakeEngine takes FakeSamplingParams")

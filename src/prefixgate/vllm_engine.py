@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .clock import Clock, MonotonicClock
@@ -208,6 +208,16 @@ class VllmEngine:
         from vllm import SamplingParams
 
         return SamplingParams()
+
+    def build_sampling_params(self, fields: Mapping[str, Any]) -> Any:
+        """``vllm.SamplingParams(**fields)``; what its constructor refuses (an unknown field,
+        ``max_tokens=0``, a negative temperature, ...) is ``InvalidRequest``."""
+        from vllm import SamplingParams
+
+        try:
+            return SamplingParams(**fields)
+        except Exception as e:  # TypeError, ValueError or vLLM's own validation errors
+            raise InvalidRequest(f"invalid sampling parameters: {e}") from None
 
     def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
         from vllm import SamplingParams
