@@ -264,3 +264,10 @@ def test_safe_keeps_the_values_of_generated_yaml_and_json(value, style, flow, se
     assert yaml.safe_load(canonicalize_text(text).value) == meant
     text = _noisy(json.dumps(value, indent=indent, ensure_ascii=False), rng)
     assert json.loads(canonicalize_text(text).value) == json.loads(text)
+
+
+@pytest.mark.parametrize("text", ["root:\n\n\n- [a  b]\n", "root:\n\n- - a  b\n", "k:\n\n  - x  y\n"])
+def test_blank_lines_between_a_yaml_key_and_its_items_keep_them_yaml(text):
+    # Found by the property above (value [["a  b"]], blank lines from the noise): the items were
+    # taken for a Markdown list and "a  b" became "a b".
+    assert yaml.safe_load(canonicalize_text(text).value) == yaml.safe_load(text)

@@ -118,7 +118,9 @@ class _Paragraphs(_DocBase):
     def yaml_sequence(self, ls: int, column: int) -> bool:
         """Whether the ``- item`` line at ``ls`` is in YAML rather than a Markdown list: walking up
         over blank lines, items and what is indented deeper than the item's dash (its siblings'
-        content), the first other line is a ``key:`` or ``key: value`` line right above an item."""
+        content), the first other line is a ``key:`` or ``key: value`` line right above an item
+        (blank lines between them allowed: YAML allows them, and a Markdown list after an
+        "Intro:" line that is taken for YAML only keeps its whitespace)."""
         pos, below_is_item = ls, True
         while pos > 0:
             ps = self.line_start(pos - 1)
@@ -127,7 +129,6 @@ class _Paragraphs(_DocBase):
             if self.skipped(ps):
                 return False
             if not line.strip(" \t"):
-                below_is_item = False
                 continue
             indent = len(line) - len(line.lstrip(" \t"))
             item = _YAML_ITEM.match(line) is not None
