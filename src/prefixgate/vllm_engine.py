@@ -248,9 +248,17 @@ class VllmEngine:
         except ImportError:  # pragma: no cover - vLLM 0.26
             busy = ()
 
-        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
-        if request.cache_salt is not None:
-            prompt["cache_salt"] = request.cache_salt
+        try:  # vLLM's typed engine input (0.26 and 0.32): not the deprecated raw-prompt path
+            from vllm.inputs import tokens_input
+        except ImportError:  # pragma: no cover - older vLLM
+            tokens_input = None
+        prompt: Any
+        if tokens_input is not None:
+            prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt)
+        else:  # pragma: no cover - older vLLM
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+            if request.cache_salt is not None:
+                prompt["cache_salt"] = request.cache_salt
         started = finished = False
         live = _Live(asyncio.current_task())
         self._consumers[request.request_id] = live
