@@ -9,6 +9,7 @@ code in a list).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 
 from .document import _DocBase
 from .scanning import (
@@ -115,22 +116,31 @@ class _Paragraphs(_DocBase):
         self.csv[start] = result
         return result
 
+    def _above(self, ls: int) -> Iterator[tuple[int, str, int] | None]:
+        """The non-blank lines above ``ls``, nearest first, as (start, line, indent); ``None``,
+        and nothing after it, at a line another scan has already claimed."""
+        pos = ls
+        while pos > 0:
+            ps = self.line_start(pos - 1)
+            line = self.v[ps:pos - 1].rstrip("\r")
+            pos = ps
+            if self.skipped(ps):
+                yield None
+                return
+            if line.strip(" \t"):
+                yield ps, line, len(line) - len(line.lstrip(" \t"))
+
     def yaml_sequence(self, ls: int, column: int) -> bool:
         """Whether the ``- item`` line at ``ls`` is in YAML rather than a Markdown list: walking up
         over blank lines, items and what is indented deeper than the item's dash (its siblings'
         content), the first other line is a ``key:`` or ``key: value`` line right above an item
         (blank lines between them allowed: YAML allows them, and a Markdown list after an
         "Intro:" line that is taken for YAML only keeps its whitespace)."""
-        pos, below_is_item = ls, True
-        while pos > 0:
-            ps = self.line_start(pos - 1)
-            line = self.v[ps:pos - 1].rstrip("\r")
-            pos = ps
-            if self.skipped(ps):
+        below_is_item = True
+        for found in self._above(ls):
+            if found is None:
                 return False
-            if not line.strip(" \t"):
-                continue
-            indent = len(line) - len(line.lstrip(" \t"))
+            _, line, indent = found
             item = _YAML_ITEM.match(line) is not None
             if indent > column or item:
                 below_is_item = item
@@ -248,16 +258,10 @@ class _Paragraphs(_DocBase):
         """Whether the indented line at ``ls`` continues a YAML plain scalar (``key: some text``
         or a sequence item, then lines indented deeper): walks up over deeper lines."""
         depth = len(body) - len(body.lstrip(" \t"))
-        pos = ls
-        while pos > 0:
-            ps = self.line_start(pos - 1)
-            line = self.v[ps:pos - 1].rstrip("\r")
-            pos = ps
-            if self.skipped(ps):
+        for found in self._above(ls):
+            if found is None:
                 return False
-            if not line.strip(" \t"):
-                continue
-            indent = len(line) - len(line.lstrip(" \t"))
+            ps, line, indent = found
             key = _YAML_KEY.match(line)
             if key is not None:
                 return indent < depth and line[key.end():key.end() + 1] not in ("", *_NOT_PLAIN)
