@@ -43,6 +43,7 @@ from .errors import (
 )
 from .gateway import Gateway
 from .keys import BlockHash, Namespace, block_hashes
+from .queueing import Fcfs, OrderingPolicy, PrefixOrder, PriorityOrder
 from .statistics import GatewayStatistics, RuleStats
 from .streaming import ResponseStream
 from .tickets import Ticket, TicketState
@@ -63,6 +64,7 @@ __all__ = (
     "EngineStalled",
     "Evicted",
     "FakeClock",
+    "Fcfs",
     "Gateway",
     "GatewayConfig",
     "GatewayStatistics",
@@ -70,9 +72,12 @@ __all__ = (
     "KvStats",
     "MonotonicClock",
     "Namespace",
+    "OrderingPolicy",
     "Outcome",
     "Overloaded",
+    "PrefixOrder",
     "PrefixgateError",
+    "PriorityOrder",
     "PromptTooLong",
     "QueueFull",
     "QueueTimeout",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from .canonicalize import RULE_SETS, CanonicalizeConfig
 
@@ -80,7 +81,8 @@ class GatewayConfig:
 
     Queueing:
         ordering: The waiting queue's policy: ``"prefix"`` (siblings together, the default),
-            ``"fcfs"`` or ``"priority"``.
+            ``"fcfs"`` or ``"priority"``, or your own :class:`~prefixgate.OrderingPolicy` as a
+            class (instantiated once per gateway) or an instance.
         max_queue_len: The most requests waiting; more are refused with ``QueueFull``.
         queue_timeout: Seconds a request may wait before ``QueueTimeout``; ``None``: no limit.
         max_wait_factor: Aging bound: a request that newer ones have overtaken and that has
@@ -132,7 +134,7 @@ class GatewayConfig:
     ingress_min_chars: int = 1024
     ingress_max_pending: int = 4096
     ingress_bulk_chars: int = 262_144
-    ordering: str = "prefix"
+    ordering: Any = "prefix"
     max_queue_len: int = 10_000
     queue_timeout: float | None = None
     max_wait_factor: float = 2.0
@@ -187,7 +189,8 @@ class GatewayConfig:
         object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
         _check("default_tenant_limits", isinstance(self.default_tenant_limits, TenantLimits),
                self.default_tenant_limits, "a TenantLimits")
-        from .queueing import ORDERING_POLICIES
+        from .queueing import ORDERING_POLICIES, is_ordering_policy
 
-        _check("ordering", self.ordering in ORDERING_POLICIES, self.ordering,
-               f"one of {sorted(ORDERING_POLICIES)}")
+        _check("ordering", self.ordering in ORDERING_POLICIES if isinstance(self.ordering, str)
+               else is_ordering_policy(self.ordering), self.ordering,
+               f"one of {sorted(ORDERING_POLICIES)} or an OrderingPolicy (class or instance)")

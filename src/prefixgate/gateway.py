@@ -45,7 +45,7 @@ from .ingress import Ingress, IngressRequest, Prompt
 from .ingress_pool import IngressPool, IngressPoolError, ProcessIngressPool, ThreadIngressPool
 from .keys import chain_hashes, pack_tokens
 from .mirror import PrefixMirror
-from .queueing import ORDERING_POLICIES, Scheduler
+from .queueing import Scheduler, make_policy
 from .ratelimit import TenantThrottle
 from .statistics import GatewayStatistics, StatsRecorder
 from .streaming import ResponseStream
@@ -104,7 +104,7 @@ class Gateway:
             max_in_flight = 2 * self._engine_slots
 
         self._scheduler = Scheduler(
-            ORDERING_POLICIES[config.ordering](), admission=self._admission, mirror=self._mirror,
+            make_policy(config.ordering), admission=self._admission, mirror=self._mirror,
             clock=self.clock, max_queue_len=config.max_queue_len, max_in_flight=max_in_flight,
             max_wait_factor=config.max_wait_factor, min_aging_wait=config.min_aging_wait,
             tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits,

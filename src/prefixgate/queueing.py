@@ -47,26 +47,50 @@ from .errors import Outcome, QueueFull
 from .mirror import PrefixMirror
 from .tickets import Ticket, TicketState
 
-__all__ = ["ORDERING_POLICIES", "Dispatch", "Fcfs", "OrderingPolicy", "PrefixOrder", "PriorityOrder",
-           "Scheduler", "WaitingQueue"]
+__all__ = [
+    "ORDERING_POLICIES",
+    "Dispatch",
+    "Fcfs",
+    "OrderingPolicy",
+    "PrefixOrder",
+    "PriorityOrder",
+    "Scheduler",
+    "WaitingQueue",
+    "make_policy",
+]
 
 _RESIDENT_LOOKAHEAD = 8  # oldest tickets checked for a resident prefix when a group ends
 
 
 class OrderingPolicy(Protocol):
-    """Orders a waiting queue: the smallest key goes first.
+    """Orders one tenant's waiting queue: the smallest key goes first.
 
-    A policy may set a class attribute ``circular = True``: the scheduler then resumes after the
-    last key it dispatched instead of restarting at the smallest (an elevator over the keys).
+    Pass an instance, a class (instantiated once per gateway) or the name of a built-in as
+    ``GatewayConfig(ordering=...)``. Keys are computed once, at enqueue time, so a policy must
+    not depend on anything that changes while a request waits; one instance may serve several
+    gateways if it keeps no state of its own. Aging, riders and tenant fairness apply on top.
+
+    Attributes:
+        circular: ``False``: every decision starts at the smallest key. ``True``: the scheduler
+            resumes after the last key it dispatched (an elevator over the keys), which keeps
+            runs of equal-prefix keys together (``prefix`` does this).
     """
 
+    circular: bool
+
     def sort_key(self, ticket: Ticket) -> Any:
-        """A key fixed at enqueue time; include ``ticket.seq`` to break ties."""
+        """A key fixed at enqueue time; include ``ticket.seq`` to break ties.
+
+        ``ticket`` has its final ``tenant``, ``priority``, ``seq`` (arrival order),
+        ``arrival``, ``prompt_token_ids`` and ``block_hashes``.
+        """
         ...
 
 
 class Fcfs:
     """First come, first served: vLLM's own order."""
+
+    circular = False
 
     def sort_key(self, ticket: Ticket) -> Any:
         return ticket.seq
@@ -74,6 +98,8 @@ class Fcfs:
 
 class PriorityOrder:
     """Lower ``priority`` first, then arrival order."""
+
+    circular = False
 
     def sort_key(self, ticket: Ticket) -> Any:
         return (ticket.priority, ticket.seq)
@@ -93,6 +119,27 @@ ORDERING_POLICIES: dict[str, Callable[[], OrderingPolicy]] = {
     "priority": PriorityOrder,
     "prefix": PrefixOrder,
 }
+
+
+def is_ordering_policy(value: object) -> bool:
+    """Whether ``value`` (an instance or a class) has :class:`OrderingPolicy`'s members."""
+    return callable(getattr(value, "sort_key", None)) and isinstance(getattr(value, "circular", None), bool)
+
+
+def make_policy(ordering: str | OrderingPolicy | type) -> OrderingPolicy:
+    """The policy ``GatewayConfig.ordering`` names: a built-in's name, a class or an instance.
+
+    Raises:
+        ValueError: If it is none of these.
+    """
+    if isinstance(ordering, str):
+        if ordering not in ORDERING_POLICIES:
+            raise ValueError(f"unknown ordering {ordering!r}; built-ins: {sorted(ORDERING_POLICIES)}")
+        return ORDERING_POLICIES[ordering]()
+    if not is_ordering_policy(ordering):
+        raise ValueError(f"ordering {ordering!r} is not an OrderingPolicy: it needs a sort_key(ticket) "
+                         "method and a bool circular attribute")
+    return ordering() if isinstance(ordering, type) else ordering  # type: ignore[return-value]
 
 
 class WaitingQueue:
@@ -223,7 +270,7 @@ class Scheduler:
                  tenant_limits: dict[str, TenantLimits], default_limits: TenantLimits,
                  share_base: int | None = None) -> None:
         self.policy = policy
-        self.circular = bool(getattr(policy, "circular", False))
+        self.circular = policy.circular
         self.admission = admission
         self.mirror = mirror
         self.clock = clock
