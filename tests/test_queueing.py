@@ -198,9 +198,11 @@ async def test_tenant_rate_limit_paces_the_blocking_path_and_refuses_the_non_blo
              for i in range(5)]
     await spin(20)
     assert len(engine.started) == 2
+    assert gw.statistics().queued == 3  # waiting for the rate counts as queued
     with pytest.raises(RateLimited) as info:
         gw.try_generate("x", SP, tenant="acme")
-    assert info.value.retry_after == pytest.approx(1.0)
+    # Behind 3 waiters at one slot per 0.5 s (the first at 0.5 s): its own slot comes at 2.0 s.
+    assert info.value.retry_after == pytest.approx(2.0)
     await clock.advance(1.0)
     await spin(20)
     assert len(engine.started) == 4

@@ -24,9 +24,15 @@ class TenantLimits:
     """What one tenant may use. ``None`` means unlimited.
 
     Attributes:
-        rate: Requests per second admitted for the tenant (a sliding one-second window, via
-            asyncio-throttle). The blocking path waits for the window; ``try_generate`` raises
-            ``RateLimited``.
+        rate: Requests per second admitted for the tenant, exactly over time (fractions too),
+            with up to ``burst`` at once after an idle spell. ``try_generate`` raises
+            ``RateLimited``; ``generate``/``submit`` do what ``on_limit`` says.
+        burst: Requests that may go at once after an idle spell; ``max(1, floor(rate))`` when
+            ``None``.
+        on_limit: ``"wait"`` (the default): a request over the rate waits for its slot in
+            arrival order, counted as queued (``max_queue_len``, ``statistics().queued``) and
+            bounded by ``queue_timeout``. ``"refuse"``: it is refused at once with
+            ``RateLimited`` and a ``retry_after``.
         max_in_flight_share: The largest share of the engine's concurrent requests
             (``max_num_seqs``, or ``max_in_flight`` if smaller or the engine has none) the tenant
             may hold while another tenant has requests in flight (work-conserving: with nobody
@@ -35,10 +41,17 @@ class TenantLimits:
 
     rate: float | None = None
     max_in_flight_share: float | None = None
+    burst: int | None = None
+    on_limit: str = "wait"
 
     def __post_init__(self) -> None:
-        if self.rate is not None and not self.rate > 0:
-            raise ValueError(f"TenantLimits.rate must be positive or None, got {self.rate!r}")
+        rate = self.rate
+        if rate is not None and not (isinstance(rate, int | float) and 0 < rate < float("inf")):
+            raise ValueError(f"TenantLimits.rate must be positive and finite, or None, got {self.rate!r}")
+        if self.burst is not None and not (isinstance(self.burst, int) and self.burst >= 1):
+            raise ValueError(f"TenantLimits.burst must be an int >= 1 or None, got {self.burst!r}")
+        if self.on_limit not in ("wait", "refuse"):
+            raise ValueError(f"TenantLimits.on_limit must be 'wait' or 'refuse', got {self.on_limit!r}")
         share = self.max_in_flight_share
         if share is not None and not 0 < share <= 1:
             raise ValueError(f"TenantLimits.max_in_flight_share must be in (0, 1], got {share!r}")

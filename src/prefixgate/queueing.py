@@ -271,6 +271,7 @@ class Scheduler:
                  share_base: int | None = None) -> None:
         self.policy = policy
         self.circular = policy.circular
+        self.outside = 0  # requests the gateway holds as queued outside this queue (rate waits)
         self.admission = admission
         self.mirror = mirror
         self.clock = clock
@@ -360,7 +361,7 @@ class Scheduler:
             QueueFull: If ``max_queue_len`` tickets already wait (``retry_after``: the predicted
                 wait of the queue ahead).
         """
-        if self._waiting >= self.max_queue_len:
+        if self._waiting + self.outside >= self.max_queue_len:
             wait = self.admission.estimated_wait(self._waiting)
             raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)",
                             retry_after=wait if wait is not None else 1.0, reason="queue_full")

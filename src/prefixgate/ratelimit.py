@@ -1,63 +1,126 @@
-"""Per-tenant request rates: asyncio-throttle's sliding-window log on the gateway's clock.
+"""Per-tenant request rates on the gateway's clock: a GCRA limiter with a FIFO of waiters.
 
-asyncio-throttle keeps a log of recent acquisitions and admits while fewer than ``rate_limit``
-fall inside ``period``. Its stock ``acquire`` reads ``time.monotonic`` and polls every 10 ms;
-here the log is read on the injected :class:`~prefixgate.clock.Clock` (so the simulator's
-virtual time works) and a waiter sleeps exactly until the oldest entry leaves the window.
+The generic cell rate algorithm (virtual scheduling) admits a request when the clock has reached
+its theoretical arrival time less a burst tolerance, then moves that time on by one interval
+(``1 / rate``). Over any long span it admits ``rate`` requests per second exactly (1.5/s is
+1.5/s, not 2/s), and after an idle spell up to ``burst`` at once. Waiters queue in arrival order
+and are woken one per slot, by one timer on the gateway's clock, so the simulator's virtual time
+and ``FakeClock`` drive it like real time.
+
+asyncio-throttle, which this module wrapped before, reads ``time.monotonic``, polls every 10 ms
+and counts whole requests per window (so 1.5/s enforced 2/s); reading its private log on our
+clock was the only way to reuse it, so the limiter is written here instead.
 """
 
 from __future__ import annotations
 
-from asyncio_throttle import Throttler
+import asyncio
+import contextlib
+import math
+from collections import deque
 
 from .clock import Clock
 
-__all__ = ["TenantThrottle"]
+__all__ = ["RateLimiter"]
 
 
-class TenantThrottle(Throttler):
-    """A sliding-window rate limit of ``rate`` requests per second.
+class RateLimiter:
+    """``rate`` requests per second for one tenant.
 
-    Invariant: at most ``rate_limit`` acquisitions lie within any ``period`` of clock time.
+    Invariant: over any span of ``t`` seconds at most ``burst + rate * t`` acquisitions succeed;
+    waiters are served in the order they began to wait.
 
     Args:
-        rate: Requests per second (fractions allowed: 0.5 means one every two seconds).
+        rate: Requests per second (fractions are exact: 0.5 is one every two seconds).
         clock: The gateway's clock.
+        burst: Requests that may go at once after an idle spell; ``max(1, floor(rate))`` when
+            ``None`` (a one-second window's worth).
+
+    Raises:
+        ValueError: If ``rate`` is not positive or ``burst`` is below 1.
     """
 
-    def __init__(self, rate: float, clock: Clock) -> None:
-        period = 1.0 if rate >= 1 else 1.0 / rate
-        super().__init__(rate_limit=max(1, round(rate * period)), period=period)
+    def __init__(self, rate: float, clock: Clock, burst: int | None = None) -> None:
+        if not rate > 0 or math.isinf(rate):
+            raise ValueError(f"rate must be a positive finite number, got {rate!r}")
+        self.rate = rate
         self.clock = clock
+        self.burst = max(1, math.floor(rate)) if burst is None else burst
+        if self.burst < 1:
+            raise ValueError(f"burst must be >= 1, got {burst!r}")
+        self.interval = 1.0 / rate
+        self._tolerance = (self.burst - 1) * self.interval
+        self._tat = clock.now()  # theoretical arrival time of the next request
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._timer: asyncio.Task[None] | None = None
+        self.acquired = 0
 
-    def flush(self) -> None:
-        now = self.clock.now()
-        while self._task_logs and now - self._task_logs[0] >= self.period:
-            self._task_logs.popleft()
-
-    def try_acquire(self) -> bool:
-        """Takes a slot if one is free now; never waits."""
-        self.flush()
-        if len(self._task_logs) < self.rate_limit:
-            self._task_logs.append(self.clock.now())
-            return True
-        return False
+    @property
+    def waiting(self) -> int:
+        """Callers waiting in :meth:`acquire`."""
+        return len(self._waiters)
 
     def retry_after(self) -> float:
-        """Seconds until a slot frees (0 if one is free now)."""
-        self.flush()
-        if len(self._task_logs) < self.rate_limit:
-            return 0.0
-        return self._task_logs[0] + self.period - self.clock.now()
+        """Seconds until a new request would be admitted (0 if now, and nobody waits ahead)."""
+        ahead = len(self._waiters) * self.interval
+        return max(0.0, self._tat - self._tolerance - self.clock.now()) + ahead
 
-    def in_window(self) -> int:
-        """Acquisitions still inside the sliding window."""
-        self.flush()
-        return len(self._task_logs)
+    def idle(self) -> bool:
+        """Whether forgetting this limiter would change nothing: no waiters and a full burst."""
+        return not self._waiters and self._tat <= self.clock.now()
+
+    def try_acquire(self) -> bool:
+        """Takes a slot if one is free now and nobody waits ahead; never waits."""
+        return not self._waiters and self._take()
+
+    def _take(self) -> bool:
+        now = self.clock.now()
+        if now < self._tat - self._tolerance:
+            return False
+        self._tat = max(self._tat, now) + self.interval
+        self.acquired += 1
+        return True
 
     async def acquire(self) -> None:
-        while not self.try_acquire():
-            await self.clock.sleep(max(self.retry_after(), 1e-6))
+        """Waits for a slot, behind everyone already waiting. Cancellation leaves the queue."""
+        if self.try_acquire():
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._arm()
+        try:
+            await waiter
+        except BaseException:
+            if not waiter.done():
+                waiter.cancel()
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+            self._arm()
+            raise
+
+    def _arm(self) -> None:
+        if self._waiters and (self._timer is None or self._timer.done()):
+            self._timer = asyncio.ensure_future(self._wake())
+
+    async def _wake(self) -> None:
+        while self._waiters:
+            delay = self._tat - self._tolerance - self.clock.now()
+            if delay > 0:
+                await self.clock.sleep(delay)
+            while self._waiters and self._waiters[0].done():  # cancelled while waiting
+                self._waiters.popleft()
+            if self._waiters and self._take():
+                self._waiters.popleft().set_result(None)
+
+    def close(self, error: BaseException) -> None:
+        """Stops the timer; every waiter's :meth:`acquire` raises ``error``."""
+        if self._timer is not None:
+            self._timer.cancel()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
 
     def __repr__(self) -> str:
-        return f"TenantThrottle({self.rate_limit}/{self.period:g}s, in_window={len(self._task_logs)})"
+        return (f"RateLimiter({self.rate:g}/s, burst={self.burst}, waiting={len(self._waiters)}, "
+                f"acquired={self.acquired})")
