@@ -806,7 +806,7 @@ class Gateway:
         """Ends a stream that was never iterated: frees its id and, for a stream admitted at
         the call (``submit``, ``try_generate``), its place in the queue or its reservations."""
         ticket = stream.ticket
-        if (stream.admitted or stream.entered) and ticket is not None and (
+        if stream.entered and ticket is not None and (  # try_generate's streams are entered too
                 ticket.state in (TicketState.QUEUED, TicketState.RUNNING)):
             ticket.outcome = Outcome.CANCELLED
             with contextlib.suppress(RuntimeError):  # no running loop (interpreter teardown)
