@@ -18,7 +18,7 @@ from prefixgate.engine import Engine, EngineRequest
 from prefixgate.errors import InvalidRequest, PromptTooLong
 from prefixgate.keys import BlockHash, Namespace
 from prefixgate.sim import SimClock, SimEngine, StepTimeModel
-from prefixgate.sim_pool import BlockPool, SimRequest, SimScheduler, Status
+from prefixgate.sim.scheduler import BlockPool, SimRequest, SimScheduler, Status
 from prefixgate.testing import FakeSamplingParams
 
 NS = Namespace("sim")

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from .keys import BlockHash, Namespace, block_hashes
+from ..keys import BlockHash, Namespace, block_hashes
 
 __all__ = ["OUTPUT_TOKEN", "BlockPool", "SimRequest", "SimScheduler", "StepPlan"]
 

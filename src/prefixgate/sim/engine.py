@@ -3,7 +3,7 @@
 Its cache hits equal vLLM's on the same trace (``tests/test_sim_vs_vllm.py`` checks it); its
 timing is a step-time model, ``alpha + beta * prefill_tokens + gamma * decode_seqs`` seconds per
 scheduler step, fitted from a real run by ``benchmarks/fit_step_model.py``. The block pool and
-scheduler live in :mod:`prefixgate.sim_pool`; this module is the async shell: the virtual clock,
+scheduler live in :mod:`prefixgate.sim.scheduler`; this module is the async shell: the virtual clock,
 the step loop and the :class:`~prefixgate.engine.Engine` surface.
 
 Everything that takes time in a simulation must sleep on ``sim.clock`` (pass it to the
@@ -21,11 +21,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .engine import EngineRequest, KvStats, SamplingCheck, Tokenizer, check_max_tokens
-from .errors import EngineDead, InvalidRequest, PromptTooLong
-from .keys import Namespace
-from .sim_pool import OUTPUT_TOKEN, SimRequest, SimScheduler, StepPlan
-from .testing import ByteTokenizer, FakeCompletion, FakeOutput, FakeSamplingParams
+from ..engine import EngineRequest, KvStats, SamplingCheck, Tokenizer, check_max_tokens
+from ..errors import EngineDead, InvalidRequest, PromptTooLong
+from ..keys import Namespace
+from ..testing import ByteTokenizer, FakeCompletion, FakeOutput, FakeSamplingParams
+from .scheduler import OUTPUT_TOKEN, SimRequest, SimScheduler, StepPlan
 
 __all__ = ["SimClock", "SimEngine", "StepTimeModel"]
 
@@ -221,7 +221,7 @@ class SimEngine:
         model_name: The served model's name.
         clock: The virtual clock; a new :class:`SimClock` when ``None``.
         on_step: Called after each step with its start time, its duration and its
-            :class:`~prefixgate.sim_pool.StepPlan` (for instrumentation).
+            :class:`~prefixgate.sim.scheduler.StepPlan` (for instrumentation).
 
     Raises:
         ValueError: If a size is not a positive int, or one ``max_model_len`` sequence does not
