@@ -39,7 +39,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .metrics import ArmRun, Refusal, quantile
-from .scenarios import Column, Session, Variant, accounted, check, summaries
+from .scenario_kit import Column, Session, Variant, accounted, check, summaries
 from .workloads import Trace, make_trace, shape_for
 
 __all__ = ["OVERLOAD_DURATION", "SLO_FACTOR", "admission_settings", "no_reject", "overload",
