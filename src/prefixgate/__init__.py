@@ -43,7 +43,7 @@ from .errors import (
 )
 from .gateway import Gateway
 from .keys import BlockHash, Namespace, block_hashes
-from .queueing import Fcfs, OrderingPolicy, PrefixOrder, PriorityOrder
+from .ordering import Fcfs, OrderingPolicy, PrefixOrder, PriorityOrder
 from .statistics import GatewayStatistics, RuleStats
 from .streaming import ResponseStream
 from .tickets import Ticket, TicketState

@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .canonicalize import RULE_SETS, CanonicalizeConfig
+from .ordering import ORDERING_POLICIES, is_ordering_policy
 
 __all__ = ["INGRESS_MODES", "GatewayConfig", "TenantLimits"]
 
@@ -202,8 +203,6 @@ class GatewayConfig:
         object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
         _check("default_tenant_limits", isinstance(self.default_tenant_limits, TenantLimits),
                self.default_tenant_limits, "a TenantLimits")
-        from .queueing import ORDERING_POLICIES, is_ordering_policy
-
         _check("ordering", self.ordering in ORDERING_POLICIES if isinstance(self.ordering, str)
                else is_ordering_policy(self.ordering), self.ordering,
                f"one of {sorted(ORDERING_POLICIES)} or an OrderingPolicy (class or instance)")

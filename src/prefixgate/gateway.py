@@ -45,7 +45,8 @@ from .ingress import Ingress, IngressRequest, Prompt
 from .ingress_pool import IngressPool, IngressPoolError, ProcessIngressPool, ThreadIngressPool
 from .keys import chain_hashes, pack_tokens
 from .mirror import PrefixMirror
-from .queueing import Scheduler, make_policy
+from .ordering import make_policy
+from .queueing import Scheduler
 from .ratelimit import RateLimiter
 from .statistics import GatewayStatistics, StatsRecorder
 from .streaming import ResponseStream

@@ -2,8 +2,9 @@
 
 Pure and synchronous: :class:`Scheduler` decides which tickets the engine gets next and
 reserves their KV blocks; the gateway's async shell carries the decisions out. Every ordering
-policy is a one-method class chosen by name from :data:`ORDERING_POLICIES`; aging, tenant
-fairness and the KV window apply to all of them.
+policy is a one-method class chosen by name from :data:`ORDERING_POLICIES` (they live in
+ordering.py and are re-exported here); aging, tenant fairness and the KV window apply to all of
+them.
 
 How a ticket is chosen, in order:
 
@@ -34,9 +35,9 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from sortedcontainers import SortedKeyList, SortedList
 
@@ -45,6 +46,14 @@ from .clock import Clock
 from .config import TenantLimits
 from .errors import Outcome, QueueFull
 from .mirror import PrefixMirror
+from .ordering import (
+    ORDERING_POLICIES,
+    Fcfs,
+    OrderingPolicy,
+    PrefixOrder,
+    PriorityOrder,
+    make_policy,
+)
 from .tickets import Ticket, TicketState
 
 __all__ = [
@@ -60,86 +69,6 @@ __all__ = [
 ]
 
 _RESIDENT_LOOKAHEAD = 8  # oldest tickets checked for a resident prefix when a group ends
-
-
-class OrderingPolicy(Protocol):
-    """Orders one tenant's waiting queue: the smallest key goes first.
-
-    Pass an instance, a class (instantiated once per gateway) or the name of a built-in as
-    ``GatewayConfig(ordering=...)``. Keys are computed once, at enqueue time, so a policy must
-    not depend on anything that changes while a request waits; one instance may serve several
-    gateways if it keeps no state of its own. Aging, riders and tenant fairness apply on top.
-
-    Attributes:
-        circular: ``False``: every decision starts at the smallest key. ``True``: the scheduler
-            resumes after the last key it dispatched (an elevator over the keys), which keeps
-            runs of equal-prefix keys together (``prefix`` does this).
-    """
-
-    circular: bool
-
-    def sort_key(self, ticket: Ticket) -> Any:
-        """A key fixed at enqueue time; include ``ticket.seq`` to break ties.
-
-        ``ticket`` has its final ``tenant``, ``priority``, ``seq`` (arrival order),
-        ``arrival``, ``prompt_token_ids`` and ``block_hashes``.
-        """
-        ...
-
-
-class Fcfs:
-    """First come, first served: vLLM's own order."""
-
-    circular = False
-
-    def sort_key(self, ticket: Ticket) -> Any:
-        return ticket.seq
-
-
-class PriorityOrder:
-    """Lower ``priority`` first, then arrival order."""
-
-    circular = False
-
-    def sort_key(self, ticket: Ticket) -> Any:
-        return (ticket.priority, ticket.seq)
-
-
-class PrefixOrder:
-    """Siblings together: sorted by block-hash chain, walked circularly from the last dispatch."""
-
-    circular = True
-
-    def sort_key(self, ticket: Ticket) -> Any:
-        return (ticket.block_hashes, ticket.seq)
-
-
-ORDERING_POLICIES: dict[str, Callable[[], OrderingPolicy]] = {
-    "fcfs": Fcfs,
-    "priority": PriorityOrder,
-    "prefix": PrefixOrder,
-}
-
-
-def is_ordering_policy(value: object) -> bool:
-    """Whether ``value`` (an instance or a class) has :class:`OrderingPolicy`'s members."""
-    return callable(getattr(value, "sort_key", None)) and isinstance(getattr(value, "circular", None), bool)
-
-
-def make_policy(ordering: str | OrderingPolicy | type) -> OrderingPolicy:
-    """The policy ``GatewayConfig.ordering`` names: a built-in's name, a class or an instance.
-
-    Raises:
-        ValueError: If it is none of these.
-    """
-    if isinstance(ordering, str):
-        if ordering not in ORDERING_POLICIES:
-            raise ValueError(f"unknown ordering {ordering!r}; built-ins: {sorted(ORDERING_POLICIES)}")
-        return ORDERING_POLICIES[ordering]()
-    if not is_ordering_policy(ordering):
-        raise ValueError(f"ordering {ordering!r} is not an OrderingPolicy: it needs a sort_key(ticket) "
-                         "method and a bool circular attribute")
-    return ordering() if isinstance(ordering, type) else ordering  # type: ignore[return-value]
 
 
 class WaitingQueue:
