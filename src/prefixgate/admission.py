@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable, Sequence
 from .chains import ChainTree, Run
 from .clock import Clock
 from .engine import KvStats
-from .errors import RequestTooLarge
+from .errors import Reason, RequestTooLarge
 from .tickets import Ticket
 
 __all__ = ["Admission", "BlockLedger", "DrainRate"]
@@ -262,21 +262,21 @@ class Admission:
         them and using them takes them out of it), plus its private blocks. Pure."""
         return self.ledger.need(*self.split(ticket))
 
-    def blocked_reason(self, blocks: int, ahead: bool = False) -> str | None:
+    def blocked_reason(self, blocks: int, ahead: bool = False) -> Reason | None:
         """Why ``blocks`` more cannot be dispatched now, or ``None`` if they can. With
         ``ahead``, the ledger's overcommit (the lookahead) counts as free. Pure."""
         if len(self.ledger) == 0:
             return None  # idle engine: always let one through, whatever its stats say
         extra = self.ledger.overcommit if ahead else 0
         if blocks > self.ledger.free - self.watermark_blocks + extra:
-            return "kv_reserved"
+            return Reason.KV_RESERVED
         stats = self.kv_stats()
         if stats is None:
             return None  # an engine without stats: the ledger alone decides
         if self.clock.now() - max(stats.time, self.busy_since) > self.stats_max_age:
-            return "kv_stats_stale"
+            return Reason.KV_STATS_STALE
         if blocks > stats.free_blocks - self.watermark_blocks + extra:
-            return "kv_free_low"
+            return Reason.KV_FREE_LOW
         return None
 
     def may_look_ahead(self, ticket: Ticket) -> bool:

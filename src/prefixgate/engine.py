@@ -180,8 +180,8 @@ class Engine(Protocol):
 
         Raises:
             InvalidRequest: If the engine refuses the request as malformed.
-            Overloaded: With reason ``"engine_busy"``, if the engine's own admission limit
-                refuses it (vLLM's ``max_num_queued_reqs``); the gateway fills in
+            Overloaded: With reason :attr:`~prefixgate.errors.Reason.ENGINE_BUSY`, if the
+                engine's own admission limit refuses it (vLLM's ``max_num_queued_reqs``); the gateway fills in
                 ``retry_after`` from its drain rate.
             EngineError: If the engine fails; ``EngineDead`` if it died.
         """

@@ -14,6 +14,7 @@ Every accepted request ends in exactly one :class:`Outcome`, which feeds the sta
 
 from __future__ import annotations
 
+import contextlib
 import enum
 
 
@@ -31,6 +32,34 @@ class Outcome(enum.Enum):
     QUEUE_TIMEOUT = "queue_timeout"
     SHUTTING_DOWN = "shutting_down"
     ENGINE_ERROR = "engine_error"
+
+
+class Reason(enum.StrEnum):
+    """Why a request was refused for load, or why dispatch stopped: a
+    :class:`RetryableRejection`'s ``reason``, ``GatewayStatistics.blocked`` and the keys of
+    ``GatewayStatistics.rejected_reasons``. Members are strings, so ``reason == "kv_reserved"``
+    and JSON keep working."""
+
+    KV_RESERVED = "kv_reserved"
+    """The KV blocks reserved by requests in flight leave no room for it (less the watermark)."""
+    KV_FREE_LOW = "kv_free_low"
+    """The engine's latest stats show too few free KV blocks."""
+    KV_STATS_STALE = "kv_stats_stale"
+    """The engine has had work but reported no step for ``stats_max_age``: treated as full."""
+    MAX_IN_FLIGHT = "max_in_flight"
+    """``max_in_flight`` requests are in the engine already."""
+    TENANT_SHARE = "tenant_share"
+    """Every waiting tenant is at its ``max_in_flight_share`` while others have work in flight."""
+    QUEUED_AHEAD = "queued_ahead"
+    """``try_generate``: requests are already waiting; it would not go first."""
+    ENGINE_BUSY = "engine_busy"
+    """The engine's own admission limit refused it (vLLM's ``max_num_queued_reqs``)."""
+    RATE_LIMITED = "rate_limited"
+    """The tenant's request rate is used up."""
+    QUEUE_FULL = "queue_full"
+    """``max_queue_len`` requests are waiting."""
+    PREDICTED_WAIT = "predicted_wait"
+    """Its predicted queue wait exceeds ``max_queue_wait``."""
 
 
 class PrefixgateError(Exception):
@@ -90,13 +119,17 @@ class RetryableRejection(Rejected):
     Attributes:
         retry_after: Seconds after which a retry is likely to be accepted (an estimate from
             the recent drain rate), never negative.
-        reason: A short machine-readable reason, counted in statistics.
+        reason: Why, counted in statistics: a :class:`Reason` (a string a custom engine passes
+            is turned into its member when it names one, else kept as it is).
     """
 
-    def __init__(self, message: str, *, retry_after: float, reason: str) -> None:
+    def __init__(self, message: str, *, retry_after: float, reason: Reason | str) -> None:
         super().__init__(message)
         self.retry_after = max(0.0, retry_after)
-        self.reason = reason
+        if not isinstance(reason, Reason):
+            with contextlib.suppress(ValueError):
+                reason = Reason(reason)
+        self.reason: Reason | str = reason
 
 
 class QueueFull(RetryableRejection):

@@ -37,6 +37,7 @@ from .errors import (
     QueueFull,
     QueueTimeout,
     RateLimited,
+    Reason,
     Rejected,
     ShuttingDown,
     UsageError,
@@ -269,18 +270,18 @@ class Gateway:
         try:
             ticket = self._ticket(request, self._ingress.prepare(request))
             if self._scheduler.num_waiting:
-                raise self._overloaded("queued_ahead")
+                raise self._overloaded(Reason.QUEUED_AHEAD)
             throttle = self._throttle(ticket.tenant)
             if throttle is not None and throttle.retry_after() > 0:
                 raise RateLimited(f"tenant {ticket.tenant!r} is over its request rate",
-                                  retry_after=throttle.retry_after(), reason="rate_limited")
+                                  retry_after=throttle.retry_after(), reason=Reason.RATE_LIMITED)
             self._scheduler.enqueue(ticket)
             self._pump_now()
             if ticket.state is not TicketState.RUNNING:
                 self._scheduler.finish(ticket)
                 if ticket.failure is not None:
                     raise ticket.failure
-                raise self._overloaded(self._scheduler.blocked or "kv_reserved")
+                raise self._overloaded(self._scheduler.blocked or Reason.KV_RESERVED)
             if throttle is not None:
                 throttle.try_acquire()  # only a request that runs uses up a slot of the rate
         except PrefixgateError as e:
@@ -452,7 +453,7 @@ class Gateway:
         if self._scheduler.num_waiting + self._scheduler.outside >= limit:
             wait = self._admission.estimated_wait(self._scheduler.num_waiting)
             raise QueueFull(f"waiting queue is full ({self.config.max_queue_len} requests)",
-                            retry_after=max(wait or 0.0, throttle.retry_after()), reason="queue_full")
+                            retry_after=max(wait or 0.0, throttle.retry_after()), reason=Reason.QUEUE_FULL)
         self._scheduler.outside += 1
         acquire = asyncio.ensure_future(throttle.acquire())
         waits: set[asyncio.Future[Any]] = {acquire}
@@ -478,7 +479,7 @@ class Gateway:
         backlog = max(0, running - self._engine_slots) if self._engine_slots else 0
         return self._scheduler.num_waiting + backlog
 
-    def _overloaded(self, reason: str) -> Overloaded:
+    def _overloaded(self, reason: Reason) -> Overloaded:
         wait = self._admission.estimated_wait(self._ahead())
         return Overloaded(f"engine is full ({reason})", retry_after=wait if wait is not None else 1.0,
                           reason=reason)
@@ -486,8 +487,8 @@ class Gateway:
     def _check_load(self, ticket: Ticket) -> None:
         """Refuses at once what would wait too long (``max_queue_wait``) or cannot be served;
         notes the raw predicted wait of a ticket that joins a queue, to calibrate the estimate."""
-        if self._scheduler.blocked == "kv_stats_stale" and self._scheduler.num_waiting:
-            raise self._overloaded("kv_stats_stale")
+        if self._scheduler.blocked is Reason.KV_STATS_STALE and self._scheduler.num_waiting:
+            raise self._overloaded(Reason.KV_STATS_STALE)
         if self._scheduler.blocked is None:
             # The last pump emptied our queue: this request is dispatched next. Requests may
             # still wait in the engine's queue, but counting them here refused 6% of W1 at 0.8x
@@ -501,7 +502,7 @@ class Gateway:
         wait = self._admission.estimated_wait(ahead)
         if wait is not None and wait > bound:
             raise Overloaded(f"predicted queue wait {wait:.2f} s exceeds {bound} s",
-                             retry_after=wait - bound, reason="predicted_wait")
+                             retry_after=wait - bound, reason=Reason.PREDICTED_WAIT)
 
     def _schedule_pump(self) -> None:
         """Pumps at the end of this loop iteration, so a burst of arrivals is ordered as one."""
@@ -563,7 +564,7 @@ class Gateway:
             if throttle is not None and not throttle.try_acquire():
                 if self._limits(ticket.tenant).on_limit == "refuse":
                     raise RateLimited(f"tenant {ticket.tenant!r} is over its request rate",
-                                      retry_after=throttle.retry_after(), reason="rate_limited")
+                                      retry_after=throttle.retry_after(), reason=Reason.RATE_LIMITED)
                 await self._wait_for_rate(throttle, ticket)
                 self._check_open()
             self._check_load(ticket)
@@ -679,7 +680,7 @@ class Gateway:
             self._on_dead(e)
             raise
         except Overloaded as e:  # the engine's own admission limit (vLLM's max_num_queued_reqs)
-            refusal = self._overloaded(e.reason) if e.reason == "engine_busy" else e
+            refusal = self._overloaded(Reason.ENGINE_BUSY) if e.reason is Reason.ENGINE_BUSY else e
             ticket.outcome = refusal.outcome
             if refusal is e:
                 raise

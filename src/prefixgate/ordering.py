@@ -94,4 +94,4 @@ def make_policy(ordering: str | OrderingPolicy | type) -> OrderingPolicy:
     if not is_ordering_policy(ordering):
         raise ValueError(f"ordering {ordering!r} is not an OrderingPolicy: it needs a sort_key(ticket) "
                          "method and a bool circular attribute")
-    return ordering() if isinstance(ordering, type) else ordering  # type: ignore[return-value]
+    return ordering() if isinstance(ordering, type) else ordering

@@ -44,7 +44,7 @@ from sortedcontainers import SortedKeyList, SortedList
 from .admission import Admission
 from .clock import Clock
 from .config import TenantLimits
-from .errors import Outcome, QueueFull
+from .errors import Outcome, QueueFull, Reason
 from .mirror import PrefixMirror
 from .ordering import (
     ORDERING_POLICIES,
@@ -225,7 +225,7 @@ class Scheduler:
         self._sorted_waits: SortedList = SortedList()  # recent waits of tickets that waited
         self.newest_dispatched_arrival = float("-inf")
         self.aged_dispatches = 0
-        self.blocked: str | None = None
+        self.blocked: Reason | None = None
         self.failed: list[tuple[Ticket, Exception]] = []
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -293,7 +293,7 @@ class Scheduler:
         if self._waiting + self.outside >= self.max_queue_len:
             wait = self.admission.estimated_wait(self._waiting)
             raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)",
-                            retry_after=wait if wait is not None else 1.0, reason="queue_full")
+                            retry_after=wait if wait is not None else 1.0, reason=Reason.QUEUE_FULL)
         state = self._state(ticket.tenant)
         queue = state.queue
         if queue is None:
@@ -448,11 +448,11 @@ class Scheduler:
         admission = self.admission
         while self._waiting:
             if self.max_in_flight is not None and len(self.running) >= self.max_in_flight:
-                self.blocked = "max_in_flight"
+                self.blocked = Reason.MAX_IN_FLIGHT
                 break
             choice = self._choose(now)
             if choice is None:
-                self.blocked = "tenant_share"
+                self.blocked = Reason.TENANT_SHARE
                 break
             ticket, aged = choice
             queued = True

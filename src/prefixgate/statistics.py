@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from .engine import KvStats
-from .errors import Outcome
+from .errors import Outcome, Reason
 from .tickets import Ticket
 
 __all__ = ["GatewayStatistics", "RuleStats", "StatsRecorder"]
@@ -54,7 +54,8 @@ class GatewayStatistics:
         reserved_blocks: KV blocks reserved by running requests now.
         median_wait: Median queue wait of recently dispatched requests (seconds), or ``None``.
         aged_dispatches: Dispatches forced by the aging bound.
-        blocked: Why the scheduler last stopped dispatching, or ``None``.
+        blocked: Why the scheduler last stopped dispatching (a :class:`~prefixgate.errors.Reason`),
+            or ``None``.
     """
 
     requests: int = 0
@@ -73,7 +74,7 @@ class GatewayStatistics:
     reserved_blocks: int = 0
     median_wait: float | None = None
     aged_dispatches: int = 0
-    blocked: str | None = None
+    blocked: Reason | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -101,10 +102,10 @@ class StatsRecorder:
         self.predicted_hit_tokens = 0
         self.engine_cached_tokens = 0
 
-    def refuse(self, outcome: Outcome, reason: str | None = None) -> None:
+    def refuse(self, outcome: Outcome, reason: Reason | str | None = None) -> None:
         self.refused[outcome.value] += 1
         if reason is not None:
-            self.reasons[reason] += 1
+            self.reasons[str(reason)] += 1  # keys are plain strings
 
     def accept(self, ticket: Ticket) -> None:
         self.requests += 1
@@ -130,7 +131,7 @@ class StatsRecorder:
 
     def snapshot(self, *, queued: int, running: int, kv: KvStats | None, reserved_blocks: int,
                  median_wait: float | None, aged_dispatches: int,
-                 blocked: str | None) -> GatewayStatistics:
+                 blocked: Reason | None) -> GatewayStatistics:
         return GatewayStatistics(
             requests=self.requests, refused=MappingProxyType(dict(self.refused)),
             outcomes=MappingProxyType(dict(self.outcomes)), canonicalized=self.canonicalized,

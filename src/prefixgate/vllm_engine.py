@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .clock import Clock, MonotonicClock
 from .engine import EngineRequest, KvStats, SamplingCheck, Tokenizer, check_max_tokens
-from .errors import EngineDead, EngineError, InvalidRequest, Overloaded, PrefixgateError
+from .errors import EngineDead, EngineError, InvalidRequest, Overloaded, PrefixgateError, Reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm import AsyncEngineArgs
@@ -291,7 +291,7 @@ class VllmEngine:
             raise EngineDead(f"vLLM engine died serving {request.request_id}") from e
         except busy as e:  # the gateway puts its own wait estimate in retry_after
             raise Overloaded(f"vLLM refused {request.request_id}: {e}", retry_after=1.0,
-                             reason="engine_busy") from e
+                             reason=Reason.ENGINE_BUSY) from e
         except (ClientError, ValueError, TypeError) as e:
             if started:
                 raise EngineError(f"vLLM failed mid-stream on {request.request_id}: {e}") from e
