@@ -1,22 +1,25 @@
 """The engine boundary: the narrow protocol prefixgate consumes, and the values that cross it.
 
-Anything that can generate from token ids, abort, and tell its block size, capacity and KV
-state fits: :class:`~prefixgate.vllm_engine.VllmEngine` (an in-process ``AsyncLLMEngine``),
+Anything that can generate from token ids, abort, tell its block size, capacity and KV state,
+and say what a request's last output means (finished or aborted, cached tokens, output tokens)
+fits: :class:`~prefixgate.vllm_engine.VllmEngine` (an in-process ``AsyncLLMEngine``),
 :class:`~prefixgate.sim.SimEngine`, or a user's fake. Engines raise prefixgate's own error
 types (:class:`~prefixgate.errors.EngineError`, :class:`~prefixgate.errors.InvalidRequest`), so
-nothing above this module knows which engine it talks to.
+nothing above this module knows which engine it talks to, and nothing above the adapters parses
+an engine's output objects (:meth:`Engine.completion` does).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from .errors import InvalidRequest
 
-__all__ = ["Engine", "EngineRequest", "KvStats", "SamplingCheck", "Tokenizer", "check_max_tokens"]
+__all__ = ["Completion", "Engine", "EngineRequest", "KvStats", "SamplingCheck", "Tokenizer",
+           "check_max_tokens", "completion_reader", "engine_slots", "read_completion"]
 
 
 @runtime_checkable
@@ -121,12 +124,55 @@ class KvStats:
         return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 1.0
 
 
+class Completion(NamedTuple):
+    """What a request's last output says, as :meth:`Engine.completion` reads it.
+
+    A named tuple, not a frozen dataclass: one is made per request on the event loop, where a
+    frozen dataclass's ``object.__setattr__`` per field costs more.
+
+    Attributes:
+        aborted: The engine aborted the request (vLLM: ``finish_reason == "abort"``) instead of
+            finishing it.
+        cached_tokens: Prompt tokens served from the prefix cache (vLLM ``num_cached_tokens``),
+            or ``None`` if the engine does not say.
+        token_ids: Every output token id of the request, or ``None`` when the last output does
+            not hold them all (vLLM ``RequestOutputKind.DELTA``, or ``n > 1`` completions).
+    """
+
+    aborted: bool
+    cached_tokens: int | None
+    token_ids: Sequence[int] | None
+
+
+def read_completion(output: Any, sampling_params: Any) -> Completion | None:
+    """Reads a vLLM ``RequestOutput``-shaped output: ``None`` unless ``output.finished``; else
+    its :class:`Completion` (``outputs[0].finish_reason``, ``num_cached_tokens``, and
+    ``outputs[0].token_ids`` when there is one completion and ``sampling_params`` does not ask
+    for ``DELTA`` outputs). The default of engines without :meth:`Engine.completion`."""
+    if not getattr(output, "finished", False):
+        return None
+    completions: Sequence[Any] = getattr(output, "outputs", None) or ()
+    aborted = bool(completions) and getattr(completions[0], "finish_reason", None) == "abort"
+    token_ids = None
+    if len(completions) == 1:
+        kind = getattr(sampling_params, "output_kind", None)
+        if getattr(kind, "name", None) != "DELTA":
+            token_ids = completions[0].token_ids
+    return Completion(aborted, getattr(output, "num_cached_tokens", None), token_ids)
+
+
 @runtime_checkable
 class Engine(Protocol):
-    """What prefixgate needs from an inference engine.
+    """What prefixgate needs from an inference engine: every member the gateway uses.
 
-    Outputs are the engine's own objects (vLLM ``RequestOutput`` for vLLM); prefixgate reads
-    ``finished`` and ``num_cached_tokens`` from them and passes them through unchanged.
+    Outputs are the engine's own objects (vLLM ``RequestOutput`` for vLLM), passed through
+    unchanged; only the engine reads them (:meth:`completion`).
+
+    Two members are optional at run time, for engines written before they were part of the
+    protocol: without ``max_num_seqs`` the engine is taken to have no concurrency limit of its
+    own (``None``), and without ``completion`` outputs are read as vLLM ``RequestOutput`` objects by
+    :func:`read_completion`. :func:`engine_slots` and :func:`completion_reader` apply these
+    defaults; ``isinstance(engine, Engine)`` is true only for engines that have both.
     """
 
     @property
@@ -153,6 +199,13 @@ class Engine(Protocol):
     @property
     def tokenizer(self) -> Tokenizer:
         """The engine's own tokenizer."""
+        ...
+
+    @property
+    def max_num_seqs(self) -> int | None:
+        """The most requests the engine runs at once (vLLM ``max_num_seqs``), or ``None`` if it
+        has no such limit. Sizes the gateway's in-flight window, tenants' in-flight shares, and
+        the engine's own backlog in queue-wait estimates. Optional (see the class)."""
         ...
 
     def default_sampling_params(self) -> Any:
@@ -187,6 +240,18 @@ class Engine(Protocol):
         """
         ...
 
+    def completion(self, output: Any, sampling_params: Any) -> Completion | None:
+        """Reads one of :meth:`generate`'s outputs: ``None`` while the request goes on, its
+        :class:`Completion` for the last one (finished or aborted). Called for every output:
+        keep it cheap. Optional (see the class).
+
+        Args:
+            output: An output of the request.
+            sampling_params: The request's sampling parameters (they say whether outputs are
+                deltas or cumulative).
+        """
+        ...
+
     async def abort(self, request_id: str) -> None:
         """Stops ``request_id`` and frees its KV blocks; a no-op for unknown or finished ids."""
         ...
@@ -194,3 +259,13 @@ class Engine(Protocol):
     def kv_stats(self) -> KvStats | None:
         """The latest KV state, or ``None`` if the engine has reported none yet."""
         ...
+
+
+def engine_slots(engine: Engine) -> int | None:
+    """``engine.max_num_seqs``, or ``None`` for an engine without it."""
+    return getattr(engine, "max_num_seqs", None)
+
+
+def completion_reader(engine: Engine) -> Callable[[Any, Any], Completion | None]:
+    """``engine.completion``, or :func:`read_completion` for an engine without it."""
+    return getattr(engine, "completion", read_completion)

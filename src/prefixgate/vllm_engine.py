@@ -17,7 +17,15 @@ from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .clock import Clock, MonotonicClock
-from .engine import EngineRequest, KvStats, SamplingCheck, Tokenizer, check_max_tokens
+from .engine import (
+    Completion,
+    EngineRequest,
+    KvStats,
+    SamplingCheck,
+    Tokenizer,
+    check_max_tokens,
+    read_completion,
+)
 from .errors import EngineDead, EngineError, InvalidRequest, Overloaded, PrefixgateError, Reason
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -233,6 +241,12 @@ class VllmEngine:
 
     def kv_stats(self) -> KvStats | None:
         return self._feed.latest
+
+    def completion(self, output: Any, sampling_params: Any) -> Completion | None:
+        """Reads a ``RequestOutput`` (see :func:`~prefixgate.engine.read_completion`): aborted
+        is ``finish_reason == "abort"``; the token ids are those of a single, cumulative
+        completion."""
+        return read_completion(output, sampling_params)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
         from vllm.inputs import TokensPrompt

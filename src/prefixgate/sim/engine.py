@@ -21,7 +21,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import EngineRequest, KvStats, SamplingCheck, Tokenizer, check_max_tokens
+from ..engine import (
+    Completion,
+    EngineRequest,
+    KvStats,
+    SamplingCheck,
+    Tokenizer,
+    check_max_tokens,
+    read_completion,
+)
 from ..errors import EngineDead, InvalidRequest, PromptTooLong
 from ..keys import Namespace
 from ..testing import ByteTokenizer, FakeCompletion, FakeOutput, FakeSamplingParams
@@ -385,6 +393,11 @@ class SimEngine:
         completion = FakeCompletion((OUTPUT_TOKEN,) * (n - first),
                                     finish_reason=req.finish_reason if done else None)
         return FakeOutput(req.request_id, req.prompt, (completion,), done, req.num_cached_tokens or 0)
+
+    def completion(self, output: FakeOutput, sampling_params: Any) -> Completion | None:
+        """Reads an output as vLLM's adapter does (:func:`~prefixgate.engine.read_completion`):
+        the simulator streams deltas when ``sampling_params.output_kind`` asks for them."""
+        return read_completion(output, sampling_params)
 
     async def abort(self, request_id: str) -> None:
         """Aborts ``request_id`` at the next step boundary; its stream ends with an abort output."""
