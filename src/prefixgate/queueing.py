@@ -94,7 +94,7 @@ class WaitingQueue:
         return iter(self._items)
 
     def add(self, ticket: Ticket) -> None:
-        ticket.queue_key = self.policy.sort_key(ticket)
+        ticket.enqueue(self.policy.sort_key(ticket))
         self._items.add(ticket)
         self._arrivals.append(ticket)
 
@@ -303,7 +303,6 @@ class Scheduler:
             self._rerank(state)
         else:
             queue.add(ticket)
-        ticket.state = TicketState.QUEUED
         self._waiting += 1
 
     def finish(self, ticket: Ticket) -> None:
@@ -324,7 +323,7 @@ class Scheduler:
             self.admission.ledger.release(ticket)
             if ticket.outcome is Outcome.COMPLETED:
                 self.admission.drain.record()
-        ticket.state = TicketState.DONE
+        ticket.retire()
 
     def _dequeue(self, ticket: Ticket) -> None:
         state = self.tenants[ticket.tenant]
@@ -470,14 +469,12 @@ class Scheduler:
             except Exception as e:  # never strand the queue behind one bad ticket
                 if queued:
                     self._dequeue(ticket)
-                ticket.state = TicketState.DONE
+                ticket.retire()
                 self._forget_if_idle(self.tenants[ticket.tenant])
                 self.failed.append((ticket, e))
                 continue
             self.mirror.insert(ticket.block_hashes)
-            ticket.state = TicketState.RUNNING
-            ticket.predicted_hit_tokens = hit_blocks * admission.block_size
-            ticket.dispatched_at = now
+            ticket.start(now, hit_blocks * admission.block_size)
             if ticket.predicted_wait is not None:
                 admission.observe_wait(ticket.predicted_wait, now - ticket.arrival)
             self.running.add(ticket)

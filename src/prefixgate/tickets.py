@@ -3,6 +3,11 @@
 A ticket is made once, at ingress, after canonicalization, tokenization and hashing; every later
 stage reads its token ids and block hashes instead of deriving them again. Reservations (queue
 slot, in-flight slot, KV blocks) belong to the ticket and are released when it ends.
+
+This module owns a ticket's lifecycle: its state, outcome and timings change only through the
+ticket's methods (:meth:`Ticket.enqueue`, :meth:`~Ticket.start`, :meth:`~Ticket.retire`,
+:meth:`~Ticket.complete`, :meth:`~Ticket.end`, :meth:`~Ticket.close`, ...), called by the
+scheduler (queueing.py) and the dispatcher (dispatch.py); everything else reads them.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .canonicalize import RuleCount
-from .errors import Outcome
+from .errors import Outcome, PrefixgateError
 from .keys import BlockHash, Namespace
 
 __all__ = ["Ticket", "TicketState"]
@@ -52,10 +57,22 @@ class Ticket:
         canonical_rules: What each canonicalization rule changed (rules that changed nothing
             absent).
         seq: Arrival sequence number (ties break on it).
-        failure: Why the gateway ended it before the engine saw it (set by the gateway).
+        state: Where it is in its life (:class:`TicketState`).
+        outcome: How it ended, once known.
+        dispatched_at: Gateway clock time it was handed to the engine.
+        first_output_at: Gateway clock time of its first output.
+        finished_at: Gateway clock time its reservations were released.
+        predicted_hit_tokens: Cache-hit tokens the gateway predicted at dispatch.
+        predicted_wait: Raw predicted queue wait when it joined a non-empty queue.
+        cached_tokens: Cache-hit tokens the engine reported.
+        output_token_ids: Its output's token ids, once completed (when the engine gives them all).
+        failure: Why the gateway ended it before the engine saw it.
         kill: Why the gateway is ending it while the engine has it (stall, shutdown).
-        task: The task serving it while it is dispatched.
-        in_engine: Whether that task is waiting on the engine for an output now.
+        queue_key: The ordering policy's key, fixed when it is queued.
+        granted: Serving handle (dispatch.py's alone): resolved when the scheduler dispatches it.
+        task: Serving handle: the task serving it while it is dispatched.
+        in_engine: Serving handle: whether that task is waiting on the engine for an output now
+            (toggled around every output: a plain field, not a method, on that hot path).
     """
 
     request_id: str
@@ -86,9 +103,62 @@ class Ticket:
     queue_key: Any = field(default=None, repr=False)
     canonical_rules: Mapping[str, RuleCount] = field(default_factory=dict, repr=False)
     failure: Exception | None = field(default=None, repr=False)
-    kill: Exception | None = field(default=None, repr=False)
+    kill: PrefixgateError | None = field(default=None, repr=False)
     task: asyncio.Task[Any] | None = field(default=None, repr=False)
     in_engine: bool = field(default=False, repr=False)
+
+    # -- lifecycle: the only writers of state, outcome, timings and predictions ---------------
+
+    def enqueue(self, key: Any) -> None:
+        """NEW → QUEUED, sorted by the ordering policy's ``key`` while it waits."""
+        self.queue_key = key
+        self.state = TicketState.QUEUED
+
+    def start(self, now: float, predicted_hit_tokens: int) -> None:
+        """QUEUED → RUNNING: dispatched at ``now``, predicted to hit ``predicted_hit_tokens``."""
+        self.state = TicketState.RUNNING
+        self.dispatched_at = now
+        self.predicted_hit_tokens = predicted_hit_tokens
+
+    def retire(self) -> None:
+        """→ DONE: it left the scheduler (its queue or the in-flight window) for good."""
+        self.state = TicketState.DONE
+
+    def predict_wait(self, raw: float | None) -> None:
+        """Notes the raw queue wait predicted when it joined the queue (to calibrate it later)."""
+        self.predicted_wait = raw
+
+    def fail(self, error: Exception) -> None:
+        """Ends it before the engine saw it: its stream raises ``error``."""
+        self.failure = error
+
+    def doom(self, error: PrefixgateError) -> bool:
+        """Marks it to end with ``error`` while the engine has it; ``False`` if it already was."""
+        if self.kill is not None:
+            return False
+        self.kill = error
+        return True
+
+    def first_output(self, now: float) -> None:
+        """Notes its first output, at ``now``."""
+        self.first_output_at = now
+
+    def complete(self, cached_tokens: int | None, output_token_ids: tuple[int, ...]) -> None:
+        """It completed: the engine's cached tokens and its output (``()`` if not known)."""
+        self.outcome = Outcome.COMPLETED
+        self.cached_tokens = cached_tokens
+        self.output_token_ids = output_token_ids
+
+    def end(self, outcome: Outcome) -> None:
+        """Records how it ended (callers decide whether that overrides an earlier outcome)."""
+        self.outcome = outcome
+
+    def close(self, now: float) -> bool:
+        """Its reservations are released at ``now``; ``False`` if that already happened."""
+        if self.finished_at is not None:
+            return False
+        self.finished_at = now
+        return True
 
     @property
     def num_prompt_tokens(self) -> int:
