@@ -112,14 +112,15 @@ class _StageTimer:
         ingress._intern = self._timed(ingress._intern, "keys")  # type: ignore[method-assign]
         scheduler = gateway._scheduler
         scheduler.enqueue = self._timed(scheduler.enqueue, "enqueue+schedule")  # type: ignore[method-assign]
-        pump = self._timed(gateway._pump_now, "enqueue+schedule")
+        dispatcher = gateway._dispatch
+        pump = self._timed(dispatcher._pump_now, "enqueue+schedule")
 
         def pump_now() -> None:
             pump()
             self.pump_end = time.perf_counter()
 
-        gateway._pump_now = pump_now
-        gateway._on_complete = self._timed(gateway._on_complete, "completion")
+        dispatcher._pump_now = pump_now
+        dispatcher._on_complete = self._timed(dispatcher._on_complete, "completion")
         engine.on_generate = lambda request: self._add("dispatch", time.perf_counter() - self.pump_end)
         engine.on_output = lambda out: setattr(self, "yielded", time.perf_counter())
 

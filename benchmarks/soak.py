@@ -94,13 +94,13 @@ def bounds(gw: Gateway) -> dict[str, tuple[int, int]]:
         "scheduler.waiting": (sch.num_waiting, sch.max_queue_len),
         "scheduler.running": (len(sch.running), sch.max_in_flight or 0),
         "scheduler.recent_waits": (len(sch.recent_waits), 256),
-        "throttles": (len(gw._throttles), 4096 + in_flight),
+        "throttles": (len(gw._dispatch.throttles), 4096 + in_flight),
         "ingress.roots": (len(ing._roots), 4096),
         "ingress.salts": (len(ing._salts), 4096),
         "ingress.interned": (len(ing._interned), 4097),
         "ingress.chains": (len(ing.chains), ing.chains.max_entries),
-        "mirror.keys": (len(gw._mirror), gw._mirror.capacity),
-        "ledger.tickets": (len(gw._admission.ledger), sch.max_in_flight or 0),
+        "mirror.keys": (len(gw._replica.mirror), gw._replica.mirror.capacity),
+        "ledger.tickets": (len(gw._replica.admission.ledger), sch.max_in_flight or 0),
     }
 
 

@@ -261,7 +261,7 @@ async def test_output_blocks_are_mirrored_for_the_next_turn():
         outs = await drain(first)
         follow = list(first.ticket.prompt_token_ids) + list(outs[-1].outputs[0].token_ids)
         # FakeEngine caches prompt+output blocks like vLLM; the mirror must predict the hit.
-        assert gw._mirror.match(
+        assert gw._replica.mirror.match(
             __import__("prefixgate").block_hashes(follow, 4, first.ticket.namespace)) == 4
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-import prefixgate.gateway as gateway_module
+import prefixgate.dispatch as dispatch_module
 from prefixgate import (
     EngineError,
     Gateway,
@@ -76,7 +76,7 @@ async def test_without_max_tokens_the_ledger_reserves_up_to_the_context():
     engine = FakeEngine(block_size=4, num_blocks=64, max_model_len=64)
     async with Gateway(engine) as gw:
         ticket = gw.generate("0123456789", FakeSamplingParams(max_tokens=None)).ticket
-        shared, private = gw._admission.split(ticket)
+        shared, private = gw._replica.admission.split(ticket)
     assert len(shared) == 2 and private == math.ceil((10 - 8 + 64 - 10) / 4)
 
 
@@ -101,7 +101,7 @@ async def test_what_can_never_fit_is_refused_with_the_limit_and_nothing_behind_i
 async def test_a_reservation_that_fails_fails_only_its_own_request():
     engine = FakeEngine(block_size=4, step=asyncio.Event())
     async with Gateway(engine, GatewayConfig(ordering="fcfs", max_in_flight=1)) as gw:
-        ledger = gw._admission.ledger
+        ledger = gw._replica.admission.ledger
         reserve = ledger.reserve
 
         def flaky(ticket, shared, private):
@@ -156,7 +156,7 @@ async def test_aclose_with_a_timeout_ends_every_stream_of_a_hung_engine():
 
 @pytest.mark.parametrize("abort", ["hangs", "raises"])
 async def test_aclose_is_bounded_and_does_not_raise_when_abort_misbehaves(abort, monkeypatch):
-    monkeypatch.setattr(gateway_module, "_ABORT_TIMEOUT", 0.1)
+    monkeypatch.setattr(dispatch_module, "ABORT_TIMEOUT", 0.1)
     engine = _BadAbort(step=asyncio.Event(), mode=abort)
     gw = Gateway(engine, GatewayConfig(stall_timeout=None))
     tasks = [asyncio.create_task(drain(gw.generate(f"p{i}", SP))) for i in range(4)]
@@ -247,7 +247,7 @@ async def test_per_tenant_state_is_forgotten_when_tenants_go_idle():
             await asyncio.gather(*(drain(gw.generate("hi", SP, tenant=f"t{batch}-{i}"))
                                    for i in range(1000)))
             assert gw._scheduler.tenants == {}
-        assert len(gw._throttles) <= gateway_module._MAX_THROTTLES
+        assert len(gw._dispatch.throttles) <= gw._dispatch.throttles.max_entries == 4096
         assert len(gw._ingress._roots) <= 4096 and len(gw._ingress._salts) <= 4096
         assert gw.statistics().completed == 5000
 

@@ -18,10 +18,12 @@ import asyncio
 import contextlib
 import math
 from collections import deque
+from collections.abc import Iterator, Mapping
 
 from .clock import Clock
+from .config import TenantLimits
 
-__all__ = ["RateLimiter"]
+__all__ = ["RateLimiter", "TenantThrottles"]
 
 
 class RateLimiter:
@@ -124,3 +126,55 @@ class RateLimiter:
     def __repr__(self) -> str:
         return (f"RateLimiter({self.rate:g}/s, burst={self.burst}, waiting={len(self._waiters)}, "
                 f"acquired={self.acquired})")
+
+
+class TenantThrottles:
+    """Each rate-limited tenant's :class:`RateLimiter`, made at its first request.
+
+    Bound: an API key is a tenant, and there may be millions; beyond ``max_entries`` limiters,
+    the idle ones (those a fresh limiter would equal) are dropped before a new one is made.
+
+    Args:
+        tenants: Per-tenant limits; others (and ``None``) get ``default``.
+        default: Limits of tenants not in ``tenants``.
+        clock: The gateway's clock.
+        max_entries: Limiters kept before idle ones are dropped.
+    """
+
+    def __init__(self, tenants: Mapping[str, TenantLimits], default: TenantLimits, clock: Clock,
+                 max_entries: int = 4096) -> None:
+        self.tenants = tenants
+        self.default = default
+        self.clock = clock
+        self.max_entries = max_entries
+        self._limiters: dict[str | None, RateLimiter] = {}
+
+    def limits(self, tenant: str | None) -> TenantLimits:
+        """``tenant``'s limits."""
+        return self.tenants.get(tenant, self.default) if tenant else self.default
+
+    def get(self, tenant: str | None) -> RateLimiter | None:
+        """``tenant``'s limiter, or ``None`` if its rate is unlimited."""
+        limits = self.limits(tenant)
+        if limits.rate is None:
+            return None
+        limiter = self._limiters.get(tenant)
+        if limiter is None:
+            if len(self._limiters) >= self.max_entries:  # forget tenants a fresh limiter would equal
+                self._limiters = {t: th for t, th in self._limiters.items() if not th.idle()}
+            limiter = self._limiters[tenant] = RateLimiter(limits.rate, self.clock, limits.burst)
+        return limiter
+
+    def close(self, error: BaseException) -> None:
+        """Ends every waiter of every limiter with ``error``."""
+        for limiter in self._limiters.values():
+            limiter.close(error)
+
+    def __len__(self) -> int:
+        return len(self._limiters)
+
+    def __iter__(self) -> Iterator[RateLimiter]:
+        return iter(self._limiters.values())
+
+    def __repr__(self) -> str:
+        return f"TenantThrottles({len(self._limiters)} tenants, max {self.max_entries})"

@@ -2,23 +2,26 @@
 
 ``Gateway.generate()`` returns a :class:`ResponseStream`. Iterating it prepares the request (if
 ingress runs off the loop), queues it and yields the engine's own outputs; closing it or
-cancelling the consumer frees everything the request held. The work itself is done by the
-gateway's ``_serve``; this is the caller's handle.
+cancelling the consumer frees everything the request held. The work itself is done by the two
+callbacks the stream is given (the dispatcher's ``serve`` and ``forget``); this is the caller's
+handle, and it knows nothing of the gateway.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 from .errors import UsageError
+from .ingress import IngressRequest
+from .tickets import Ticket
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .gateway import Gateway
-    from .ingress import IngressRequest
-    from .tickets import Ticket
+__all__ = ["Forget", "ResponseStream", "Serve"]
 
-__all__ = ["ResponseStream"]
+Serve = Callable[["ResponseStream"], AsyncGenerator[Any, None]]
+"""Prepares, queues, dispatches and streams the stream's request; releases all it held on exit."""
+Forget = Callable[["ResponseStream"], None]
+"""Ends a stream that was never iterated: frees its request id and anything admitted at the call."""
 
 
 class ResponseStream(AsyncIterator[Any]):
@@ -28,10 +31,18 @@ class ResponseStream(AsyncIterator[Any]):
     ``async for`` early and letting it be collected) or cancelling the consumer task aborts
     the engine request and frees its reservations. A stream that is never iterated queues
     nothing, and its request id is free again once it is closed or collected.
+
+    Args:
+        request: The validated request.
+        ticket: Its ticket if it was prepared at the call, else ``None``.
+        serve: Called once, at the first ``__anext__``, for the generator of outputs.
+        forget: Called if the stream ends (closed or collected) without being iterated.
     """
 
-    def __init__(self, gateway: Gateway, request: IngressRequest, ticket: Ticket | None) -> None:
-        self._gateway = gateway
+    def __init__(self, request: IngressRequest, ticket: Ticket | None, serve: Serve,
+                 forget: Forget) -> None:
+        self._serve = serve
+        self._forget = forget
         self._request = request
         self._ticket = ticket
         self._agen: AsyncGenerator[Any, None] | None = None
@@ -43,13 +54,19 @@ class ResponseStream(AsyncIterator[Any]):
         self._admitted = True  # try_generate: already holds its slot and reservation
         self._entered = True
 
+    def _prepared(self, ticket: Ticket) -> None:
+        self._ticket = ticket  # ingress prepared it off the loop
+
+    def _mark_entered(self) -> None:
+        self._entered = True  # prepared and admitted (queued or dispatched)
+
     def _abandon(self) -> None:
         """A stream whose admission failed: nothing to free later (its id is already free)."""
         self._agen = _closed()
 
     def __del__(self) -> None:
         if self._agen is None:  # never iterated: free its id (and a try_generate reservation)
-            self._gateway._forget(self)
+            self._forget(self)
 
     @property
     def request(self) -> IngressRequest:
@@ -96,7 +113,7 @@ class ResponseStream(AsyncIterator[Any]):
             raise UsageError(f"stream {self._request.request_id!r} is already being iterated by "
                              "another task; iterate a stream from one task at a time")
         if self._agen is None:
-            self._agen = self._gateway._serve(self)
+            self._agen = self._serve(self)
         self._busy = True
         try:
             return await self._agen.__anext__()
@@ -109,7 +126,7 @@ class ResponseStream(AsyncIterator[Any]):
             await self._agen.aclose()
         else:
             self._agen = _closed()
-            self._gateway._forget(self)
+            self._forget(self)
 
     async def __aenter__(self) -> ResponseStream:
         return self

@@ -1,0 +1,178 @@
+"""A replica: one engine and what the gateway knows of it.
+
+What belongs to one engine lives here: the engine itself, the mirror of its prefix cache, its KV
+block ledger and admission rule, how many requests it runs at once, how its outputs are read,
+and its health (dead or alive, and the watchdog that notices when it stalls). The gateway holds
+one replica today; routing will hold several, each built the same way, sharing nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Collection
+from typing import Any
+
+from .admission import Admission, BlockLedger
+from .clock import Clock, MonotonicClock
+from .config import GatewayConfig
+from .engine import Engine, completion_reader, engine_slots
+from .errors import EngineDead, EngineStalled, PrefixgateError
+from .keys import chain_hashes, pack_tokens
+from .mirror import PrefixMirror
+from .tickets import Ticket
+
+__all__ = ["Replica"]
+
+log = logging.getLogger(__name__)
+
+
+class Replica:
+    """One engine behind the gateway, with its cache mirror, KV ledger and health.
+
+    Invariant: once :attr:`dead` is set it stays set (the replica refuses work from then on);
+    the stall watchdog runs only while the replica has requests in flight and is not draining.
+
+    Args:
+        engine: The engine.
+        config: The gateway's configuration (KV budget, watermark, lookahead, output reserve,
+            stats age, stall timeout, key seed).
+        clock: The gateway's clock.
+
+    Attributes:
+        engine: The engine.
+        mirror: What the engine's prefix cache holds, as far as the gateway can tell.
+        admission: Its KV block ledger and the rule that decides what fits.
+        slots: The engine's ``max_num_seqs``, or ``None`` if it has no such limit.
+        completion: Reads the engine's outputs (:meth:`Engine.completion`).
+        dead: Why the engine died, once it did.
+        draining: Its gateway is closing: the watchdog stops at its next tick.
+        outputs: Outputs streamed so far: the watchdog's sign of progress.
+    """
+
+    def __init__(self, engine: Engine, config: GatewayConfig, clock: Clock) -> None:
+        self.engine = engine
+        self.config = config
+        self.clock = clock
+        self.mirror = PrefixMirror(engine.num_blocks)
+        capacity = int(engine.num_blocks * config.kv_budget)
+        self.admission = Admission(
+            BlockLedger(capacity, int(capacity * config.kv_lookahead)), block_size=engine.block_size,
+            output_reserve=config.output_reserve,
+            default_output_tokens=config.default_output_tokens,
+            watermark_blocks=int(engine.num_blocks * config.kv_watermark),
+            stats_max_age=config.stats_max_age, kv_stats=engine.kv_stats, clock=clock,
+            max_model_len=engine.max_model_len)
+        self.slots: int | None = engine_slots(engine)
+        self.completion = completion_reader(engine)
+        self.dead: EngineDead | None = None
+        self.draining = False
+        self.outputs = 0
+        self._running: Collection[Ticket] = ()
+        self._on_stall: Callable[[Ticket, PrefixgateError], None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None  # on virtual and fake clocks
+        self._watch_timer: asyncio.TimerHandle | None = None  # on the real clock
+        self._stall_mark: tuple[Any, float] = (None, 0.0)  # (last progress seen, since when)
+
+    # -- health -----------------------------------------------------------------------------
+
+    def check_alive(self) -> None:
+        """Raises :class:`EngineDead` if the engine has died."""
+        if self.dead is not None:
+            raise EngineDead("the engine has died") from self.dead.__cause__
+
+    def mark_dead(self, error: EngineDead) -> bool:
+        """Notes that the engine died of ``error``; ``True`` the first time only."""
+        if self.dead is not None:
+            return False
+        self.dead = error
+        return True
+
+    def watch(self, running: Collection[Ticket],
+              on_stall: Callable[[Ticket, PrefixgateError], None]) -> None:
+        """Tells the stall watchdog what this replica runs (a live collection) and how to end a
+        request the engine stalls on."""
+        self._running = running
+        self._on_stall = on_stall
+
+    def arm_watchdog(self) -> None:
+        """Starts watching for stalls while requests are in flight: a loop timer on the real
+        clock (nothing to clean up), a task sleeping on a virtual or fake clock."""
+        stall = self.config.stall_timeout
+        if stall is None or self._watchdog is not None or self._watch_timer is not None:
+            return
+        self._stall_mark = (None, self.clock.now())
+        if isinstance(self.clock, MonotonicClock):
+            self._watch_timer = asyncio.get_running_loop().call_later(stall / 4, self._watch_tick)
+        else:
+            self._watchdog = asyncio.ensure_future(self._watch_task(stall))
+
+    def _watch_tick(self) -> None:
+        self._watch_timer = None
+        if self._running and not self.draining:
+            self.check_stall()
+            stall = self.config.stall_timeout
+            assert stall is not None
+            self._watch_timer = asyncio.get_running_loop().call_later(stall / 4, self._watch_tick)
+
+    async def _watch_task(self, stall_timeout: float) -> None:
+        try:
+            while self._running and not self.draining:
+                await self.clock.sleep(stall_timeout / 4)
+                self.check_stall()
+        finally:
+            if self._watchdog is asyncio.current_task():
+                self._watchdog = None
+
+    def check_stall(self) -> None:
+        """Ends what the engine holds if it made no progress (no output and no scheduler step)
+        for ``stall_timeout`` seconds while requests were in flight."""
+        stall = self.config.stall_timeout
+        if stall is None or not self._running or self._on_stall is None:
+            return
+        stats = self.engine.kv_stats()
+        progress = (self.outputs, stats.steps if stats is not None else 0)
+        last, since = self._stall_mark
+        now = self.clock.now()
+        if progress != last:
+            self._stall_mark = (progress, now)
+        elif now - since > stall:
+            log.warning("prefixgate: the engine made no progress for %.1f s; failing the %d requests "
+                        "in flight", now - since, len(self._running))
+            for ticket in list(self._running):
+                self._on_stall(ticket, EngineStalled(f"no progress from the engine for {now - since:.1f} s "
+                                                     f"(stall_timeout {stall:g} s)"))
+            self._stall_mark = (progress, now)
+
+    def idle(self) -> None:
+        """Nothing runs any more: a watchdog task on a virtual clock must not be left pending."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
+    def disarm_watchdog(self) -> None:
+        """Stops the watchdog, whatever the clock."""
+        self.idle()
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+            self._watch_timer = None
+
+    # -- the cache mirror -------------------------------------------------------------------
+
+    def cache_output(self, ticket: Ticket) -> None:
+        """Records a completed ticket's blocks as most recently used in the mirror (freed now,
+        as in vLLM's LRU). The engine also caches full blocks of the output (all but the last
+        token's KV is computed): a follow-up turn that repeats them hits. Only the blocks past
+        the prompt's chain are hashed."""
+        known = ticket.block_hashes
+        size = self.engine.block_size
+        rest = ticket.prompt_token_ids[len(known) * size :]
+        if len(rest) + len(ticket.output_token_ids) - 1 >= size:
+            root = known[-1] if known else ticket.namespace.root(self.config.key_seed)
+            tail = pack_tokens(rest) + pack_tokens(ticket.output_token_ids[:-1])
+            known = (*known, *chain_hashes(tail, size, root))
+        self.mirror.insert(known)
+
+    def __repr__(self) -> str:
+        state = "dead" if self.dead is not None else "draining" if self.draining else "alive"
+        return f"Replica({self.engine!r}, {state}, {self.admission.ledger!r}, {self.mirror!r})"
