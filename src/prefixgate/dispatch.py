@@ -94,7 +94,8 @@ class Dispatcher:
         """Raises ``ShuttingDown`` while closing, ``EngineDead`` once the engine died."""
         if self.closing:
             raise ShuttingDown("gateway is shutting down")
-        self.replica.check_alive()
+        if self.replica.dead is not None:  # checked here first: this runs for every request
+            self.replica.check_alive()
 
     async def _wait_for_rate(self, throttle: RateLimiter, ticket: Ticket) -> None:
         """Waits for ``ticket``'s slot of its tenant's rate, counted as queued and bounded by
@@ -317,7 +318,8 @@ class Dispatcher:
                     raise ticket.failure
                 if ticket.state is not TicketState.RUNNING:
                     await self._wait_for_grant(ticket)
-            replica.check_alive()
+            if replica.dead is not None:
+                replica.check_alive()
             dispatched = True
             ticket.task = asyncio.current_task()
             replica.arm_watchdog()
@@ -427,8 +429,9 @@ class Dispatcher:
     def release(self, ticket: Ticket) -> None:
         """Ends ``ticket``: frees its queue slot or window slot and blocks, counts its outcome,
         and dispatches what now fits. Idempotent; runs as soon as the outcome is known."""
-        if not ticket.close(self.clock.now()):
+        if ticket.finished_at is not None:  # runs twice for most requests: the check comes first
             return
+        ticket.close(self.clock.now())
         scheduler = self.scheduler
         scheduler.finish(ticket)
         self.stats.end(ticket)

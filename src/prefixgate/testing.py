@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .clock import Clock, FakeClock
-from .engine import Completion, EngineRequest, KvStats, SamplingCheck, check_max_tokens
+from .engine import EngineRequest, KvStats, SamplingCheck, check_max_tokens, read_completion
 from .errors import EngineDead, EngineError, InvalidRequest
 
 __all__ = ["ByteTokenizer", "FakeClock", "FakeCompletion", "FakeEngine", "FakeOutput",
-           "FakeSamplingParams", "NullEngine", "fake_completion"]
+           "FakeSamplingParams", "NullEngine"]
 
 
 class ByteTokenizer:
@@ -65,16 +65,6 @@ class FakeOutput:
     outputs: tuple[FakeCompletion, ...]
     finished: bool
     num_cached_tokens: int = 0
-
-
-def fake_completion(output: FakeOutput, sampling_params: Any) -> Completion | None:
-    """Reads a :class:`FakeOutput` as :meth:`Engine.completion` does: ``None`` unless finished;
-    aborted when its ``finish_reason`` is ``"abort"``; its token ids (one cumulative completion:
-    these fakes never stream deltas)."""
-    if not output.finished:
-        return None
-    last = output.outputs[0]
-    return Completion(last.finish_reason == "abort", output.num_cached_tokens, last.token_ids)
 
 
 @dataclass(slots=True)
@@ -136,8 +126,7 @@ class FakeEngine:
     def kv_stats(self) -> KvStats | None:
         return self._stats
 
-    def completion(self, output: FakeOutput, sampling_params: Any) -> Completion | None:
-        return fake_completion(output, sampling_params)
+    completion = staticmethod(read_completion)  # outputs mirror vLLM's; runs for every output
 
     def set_kv_stats(self, stats: KvStats) -> None:
         """Sets what :meth:`kv_stats` returns."""
@@ -226,8 +215,7 @@ class NullEngine:
     def kv_stats(self) -> KvStats | None:
         return None
 
-    def completion(self, output: FakeOutput, sampling_params: Any) -> Completion | None:
-        return fake_completion(output, sampling_params)
+    completion = staticmethod(read_completion)  # outputs mirror vLLM's; runs for every output
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[FakeOutput]:
         self.started += 1

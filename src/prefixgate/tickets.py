@@ -153,12 +153,9 @@ class Ticket:
         """Records how it ended (callers decide whether that overrides an earlier outcome)."""
         self.outcome = outcome
 
-    def close(self, now: float) -> bool:
-        """Its reservations are released at ``now``; ``False`` if that already happened."""
-        if self.finished_at is not None:
-            return False
+    def close(self, now: float) -> None:
+        """Its reservations were released at ``now`` (once: ``finished_at`` says whether)."""
         self.finished_at = now
-        return True
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from .clock import Clock, MonotonicClock
 from .engine import (
-    Completion,
     EngineRequest,
     KvStats,
     SamplingCheck,
@@ -242,11 +241,10 @@ class VllmEngine:
     def kv_stats(self) -> KvStats | None:
         return self._feed.latest
 
-    def completion(self, output: Any, sampling_params: Any) -> Completion | None:
-        """Reads a ``RequestOutput`` (see :func:`~prefixgate.engine.read_completion`): aborted
-        is ``finish_reason == "abort"``; the token ids are those of a single, cumulative
-        completion."""
-        return read_completion(output, sampling_params)
+    # Reads a RequestOutput: aborted is finish_reason == "abort"; the token ids are those of a
+    # single, cumulative completion. The function itself, not a method wrapping it: it runs for
+    # every output.
+    completion = staticmethod(read_completion)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
         from vllm.inputs import TokensPrompt

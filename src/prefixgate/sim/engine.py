@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine import (
-    Completion,
     EngineRequest,
     KvStats,
     SamplingCheck,
@@ -394,10 +393,9 @@ class SimEngine:
                                     finish_reason=req.finish_reason if done else None)
         return FakeOutput(req.request_id, req.prompt, (completion,), done, req.num_cached_tokens or 0)
 
-    def completion(self, output: FakeOutput, sampling_params: Any) -> Completion | None:
-        """Reads an output as vLLM's adapter does (:func:`~prefixgate.engine.read_completion`):
-        the simulator streams deltas when ``sampling_params.output_kind`` asks for them."""
-        return read_completion(output, sampling_params)
+    # Outputs are read as vLLM's adapter reads them (the simulator streams deltas when
+    # sampling_params.output_kind asks for them); the function itself: it runs for every output.
+    completion = staticmethod(read_completion)
 
     async def abort(self, request_id: str) -> None:
         """Aborts ``request_id`` at the next step boundary; its stream ends with an abort output."""
