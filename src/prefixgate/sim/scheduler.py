@@ -264,12 +264,17 @@ class StepPlan:
         prefill_tokens: Tokens of prompt (or recomputation) work this step.
         decode_seqs: Requests decoding one token this step.
         preempted: Requests preempted while scheduling this step.
+        decode_context: Tokens of KV the decoding requests attend to (their lengths, summed).
+        prefill_context: Attention work of the prefill chunks: per chunk, its tokens times the
+            context length at its middle (token pairs), summed.
     """
 
     scheduled: tuple[tuple[SimRequest, int], ...]
     prefill_tokens: int
     decode_seqs: int
     preempted: int
+    decode_context: int = 0
+    prefill_context: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -395,14 +400,16 @@ class SimScheduler:
                 request.num_computed = hit_tokens
                 scheduled.append((request, n))
                 budget -= n
-        prefill = decode = 0
+        prefill = decode = decode_context = prefill_context = 0
         for request, n in scheduled:
             if n == 1 and request.num_output and request.num_computed == request.num_tokens - 1:
                 decode += 1
+                decode_context += request.num_tokens
             else:
                 prefill += n
+                prefill_context += n * (request.num_computed + n // 2)
             request.num_computed += n
-        return StepPlan(tuple(scheduled), prefill, decode, preempted)
+        return StepPlan(tuple(scheduled), prefill, decode, preempted, decode_context, prefill_context)
 
     def update(self, plan: StepPlan) -> list[SimRequest]:
         """Applies a finished step: samples one token per request whose prefill is complete.
