@@ -248,14 +248,18 @@ async def _fit(args: argparse.Namespace) -> dict[str, Any]:
                                                 shape=shape))
             max_len = 16_384
         records, info = await calibrate_vllm(model_dir, Calibration(), cpu=args.engine == "vllm-cpu",
-                                             max_model_len=max_len)
+                                             max_model_len=max_len, detokenize=not args.no_detokenize)
         doc = report(records, {**info, "shape": shape})
         for key in ("fit", "fit_model_only"):
             if key in doc:
                 f = doc[key]
                 print(f"  {key}: " + "  ".join(f"{k}={f[k]:.4g}" for k in
-                                               ("alpha", "beta", "gamma", "delta", "epsilon", "r2", "steps")),
+                                               ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
+                                                "r2", "steps")),
                       flush=True)
+        if "loop_cost" in doc:
+            print("  loop_cost: " + "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in doc["loop_cost"].items()),
+                  flush=True)
         _write(args.out / f"fit-{shape}.json", doc)
         out["fits"][shape] = {k: doc[k] for k in doc if k.startswith("fit")}
     return out

@@ -267,6 +267,9 @@ class StepPlan:
         decode_context: Tokens of KV the decoding requests attend to (their lengths, summed).
         prefill_context: Attention work of the prefill chunks: per chunk, its tokens times the
             context length at its middle (token pairs), summed.
+        new_requests: Requests scheduled for the first time (the engine hashed their prompts'
+            blocks and looked them up in its cache).
+        new_prompt_tokens: Their prompt tokens, summed (cached or not).
     """
 
     scheduled: tuple[tuple[SimRequest, int], ...]
@@ -275,6 +278,8 @@ class StepPlan:
     preempted: int
     decode_context: int = 0
     prefill_context: int = 0
+    new_requests: int = 0
+    new_prompt_tokens: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -380,6 +385,7 @@ class SimScheduler:
             scheduled.append((request, n))
             budget -= n
             i += 1
+        new_requests = new_prompt_tokens = 0
         if not preempted:
             waiting = self.waiting
             while budget > 0 and waiting and len(running) < self.max_num_seqs:
@@ -391,6 +397,9 @@ class SimScheduler:
                 n = min(request.num_tokens - hit_tokens, budget)
                 if not self._allocate(request, n, hits, hit_tokens, full_must_fit=True):
                     break
+                if request.num_preemptions == 0:
+                    new_requests += 1
+                    new_prompt_tokens += request.num_prompt_tokens
                 if request.reads_cache and self.enable_caching and request.num_preemptions == 0:
                     self.prefix_queries += request.num_tokens
                     self.prefix_hits += hit_tokens
@@ -409,7 +418,8 @@ class SimScheduler:
                 prefill += n
                 prefill_context += n * (request.num_computed + n // 2)
             request.num_computed += n
-        return StepPlan(tuple(scheduled), prefill, decode, preempted, decode_context, prefill_context)
+        return StepPlan(tuple(scheduled), prefill, decode, preempted, decode_context, prefill_context,
+                        new_requests, new_prompt_tokens)
 
     def update(self, plan: StepPlan) -> list[SimRequest]:
         """Applies a finished step: samples one token per request whose prefill is complete.
