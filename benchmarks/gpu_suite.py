@@ -21,6 +21,9 @@ Parts (one engine start each, or two for ``capped``; several, comma-separated, r
 * ``capped``: 8B shape, KV capped at 64k tokens: W2 (B1, L, L with a 10% KV lookahead, O); then
   the ``overload-short`` scenario (W4 at 2× and 0.8×, KV 128k).
 * ``w2``: the W2 half of ``capped`` (B1, L, O); ``w4``: its W4 half.
+* ``fit``: the step-time calibration of ``benchmarks.fit_step_model`` on the 8B and 1B shapes
+  (``max_model_len`` 16,384), each step saved as ``fit-<shape>.json`` (issue 15).
+* ``fid``: 8B, KV uncapped: W3 p=0, W3 p=0.5 and W1 (B1, L, O), the simulator's fidelity pass.
 
 Arms are interleaved per repeat on one engine. B1 and O are driven exactly as the harness drives
 them at 4b29cb3 (the driver of bare arms did not change). ``--old DIR`` holds earlier commits'
@@ -47,7 +50,7 @@ from typing import Any
 
 __all__ = ["main"]
 
-PARTS = ("big", "w1", "small", "capped", "w2", "w4")
+PARTS = ("big", "w1", "small", "capped", "w2", "w4", "fit", "fid")
 
 
 def _old_gateways(old: Path | None) -> dict[str, Callable[[Any, Any], Any]]:
@@ -141,6 +144,8 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
     from .workloads import make_trace
 
     shape = "1b" if part == "small" else "8b"
+    if part == "fit":
+        return await _fit(args)
     detok = not args.no_detokenize
     if args.engine == "vllm-cpu":  # a dry run of the same code paths on this machine
         factory, size = VllmFactory("vllm-cpu", str(args.tokenizer), detokenize=detok), "cpu"
@@ -199,6 +204,14 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
             await run("W1", trace("W1"), engine, plain("W1"))
         finally:
             await engine.close()
+    elif part == "fid":
+        engine = await factory.start(caching=True, kv_cap_tokens=None)
+        try:
+            await run("W3 p=0", trace("W3", noise_p=0.0), engine, plain("W3"))
+            await run("W3 p=0.5", trace("W3", noise_p=0.5), engine, plain("W3"))
+            await run("W1", trace("W1"), engine, plain("W1"))
+        finally:
+            await engine.close()
     if part in ("capped", "w2"):
         w2 = trace("W2")
         engine = await factory.start(caching=True, kv_cap_tokens=w2.kv_cap_tokens)
@@ -217,6 +230,39 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         results["workloads"]["W4 overload-short"] = result
         _write(args.out / f"{part}.json", results)
     return results
+
+
+async def _fit(args: argparse.Namespace) -> dict[str, Any]:
+    """The step-time calibration on each GPU shape (or the tiny Llama on vllm-cpu)."""
+    from .engines import make_gpu_model_dir
+    from .fit_step_model import Calibration, calibrate_vllm, report
+
+    out: dict[str, Any] = {"part": "fit", "fits": {}}
+    shapes = ["tiny"] if args.engine == "vllm-cpu" else ["8b", "1b"]
+    for shape in shapes:
+        print(f"== fit {shape}", flush=True)
+        if shape == "tiny":
+            model_dir, max_len = Path(args.tokenizer), 4096
+        else:
+            model_dir = Path(make_gpu_model_dir(str(args.tokenizer), f"/tmp/prefixgate-bench-{shape}",
+                                                shape=shape))
+            max_len = 16_384
+        records, info = await calibrate_vllm(model_dir, Calibration(), cpu=args.engine == "vllm-cpu",
+                                             max_model_len=max_len, detokenize=not args.no_detokenize)
+        doc = report(records, {**info, "shape": shape})
+        for key in ("fit", "fit_model_only"):
+            if key in doc:
+                f = doc[key]
+                print(f"  {key}: " + "  ".join(f"{k}={f[k]:.4g}" for k in
+                                               ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
+                                                "r2", "steps")),
+                      flush=True)
+        if "loop_cost" in doc:
+            print("  loop_cost: " + "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in doc["loop_cost"].items()),
+                  flush=True)
+        _write(args.out / f"fit-{shape}.json", doc)
+        out["fits"][shape] = {k: doc[k] for k in doc if k.startswith("fit")}
+    return out
 
 
 def _write(path: Path, result: Mapping[str, Any]) -> None:

@@ -116,18 +116,30 @@ class _ArmDriver:
         self.on_done = on_done
         self.retries = retries
         self.patience: Mapping[str | None, float] = patience or {}
+        # The simulator charges the event loop's CPU time to virtual time (see prefixgate.sim.loop).
+        self.loop_cost: Any = getattr(engine, "loop_cost", None)
+        self.loop: Any = None
+        if self.loop_cost is not None:
+            from prefixgate.sim import LoopServer
+
+            self.loop = LoopServer(self.clock)
 
     async def _through_gateway(self, rid: str, request: TraceRequest, prompt: str, params: Any,
                                rec: RequestRecord) -> Any:
         """One submission through the gateway; a retryable refusal is timed and recorded."""
         assert self.gateway is not None
         last = None
+        loop, cost = self.loop, self.loop_cost
+        if loop is not None:
+            await loop.spend(cost.request + cost.gateway_request)
         t0 = time.perf_counter()
         stream = self.gateway.generate(prompt, params, request_id=rid, tenant=request.tenant)
         t1 = time.perf_counter()
         async with stream:
             try:
                 async for out in stream:
+                    if loop is not None and last is not None:
+                        await loop.spend(cost.output + cost.gateway_output)
                     rec.first_output = rec.first_output or self.clock.now()
                     last = out
             except RetryableRejection as e:  # raised at the first __anext__, before any await
@@ -154,9 +166,14 @@ class _ArmDriver:
                         raise
                     await self.clock.sleep(e.retry_after)
         ids = self.engine.engine.tokenizer.encode(prompt)
+        loop, cost = self.loop, self.loop_cost
+        if loop is not None:
+            await loop.spend(cost.request + cost.prompt_token * len(ids))
         outputs = self.engine.engine.generate(EngineRequest(rid, ids, params))
         async with contextlib.aclosing(outputs):
             async for out in outputs:
+                if loop is not None and last is not None:
+                    await loop.spend(cost.output)
                 rec.first_output = rec.first_output or self.clock.now()
                 last = out
         return last

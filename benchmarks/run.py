@@ -79,7 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, help="vLLM model directory (config.json + tokenizer)")
     p.add_argument("--tokenizer", type=Path,
                    help="tokenizer directory (sim; or vllm: build an 8B-shaped model dir around it)")
-    p.add_argument("--step-time", help="sim: alpha,beta,gamma of the step-time model")
+    p.add_argument("--step-time",
+                   help="sim: alpha,beta,gamma[,delta,epsilon[,zeta,eta]] of the step-time model")
     p.add_argument("--duration", type=float, help="scenarios: seconds of arrivals (default per scenario)")
     p.add_argument("--arm-timeout", type=float, default=1200.0,
                    help="real seconds one arm run may take before its requests are cancelled")
@@ -95,8 +96,8 @@ def _factory(args: argparse.Namespace, size: str) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or args.model_dir or TINY_LLAMA))
         step = tuple(float(x) for x in args.step_time.split(",")) if args.step_time else None
-        if step is not None and len(step) != 3:
-            raise SystemExit("--step-time takes alpha,beta,gamma")
+        if step is not None and len(step) not in (3, 5, 7):
+            raise SystemExit("--step-time takes alpha,beta,gamma[,delta,epsilon[,zeta,eta]]")
         return SimFactory(size, tokenizer, step_time=step)  # type: ignore[arg-type]
     if args.engine == "vllm-cpu":
         return VllmFactory("vllm-cpu", str(args.model_dir or TINY_LLAMA))

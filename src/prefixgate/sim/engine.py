@@ -39,16 +39,25 @@ __all__ = ["SimClock", "SimEngine", "StepTimeModel"]
 
 @dataclass(frozen=True, slots=True)
 class StepTimeModel:
-    """Seconds one scheduler step takes: ``alpha + beta * prefill_tokens + gamma * decode_seqs``.
+    """Seconds one scheduler step takes: ``alpha + beta * prefill_tokens + gamma * decode_seqs
+    + delta * decode_context + epsilon * prefill_context + zeta * new_requests + eta *
+    new_prompt_tokens`` (the terms of :class:`~prefixgate.sim.scheduler.StepPlan`).
 
     The default is a guess for an 8B-parameter model on one current datacenter GPU (5 ms per
-    step, 20k prefill tokens/s, 40 µs per decoding sequence); fit your own from a real run with
-    ``python -m benchmarks.fit_step_model``.
+    step, 20k prefill tokens/s, 40 µs per decoding sequence, no context terms); fit your own from
+    a real run with ``python -m benchmarks.fit_step_model``.
 
     Attributes:
         alpha: Fixed cost of a step, in seconds.
         beta: Seconds per prefill (or recomputed) token.
         gamma: Seconds per sequence decoding one token.
+        delta: Seconds per token of KV a decoding sequence attends to (its length): the KV reads
+            that make long-context decode steps slower on a GPU.
+        epsilon: Seconds per prefill token-pair: a chunk of ``n`` tokens whose middle sits at
+            context ``c`` costs ``epsilon * n * c`` (attention grows with the prefix).
+        zeta: Seconds per request scheduled for the first time (the engine core's bookkeeping).
+        eta: Seconds per prompt token of those requests, cached or not (hashing its blocks and
+            looking them up: work a cache hit does not save).
 
     Raises:
         ValueError: If a coefficient is negative or not finite, or all are zero.
@@ -57,18 +66,30 @@ class StepTimeModel:
     alpha: float = 0.005
     beta: float = 5e-5
     gamma: float = 4e-5
+    delta: float = 0.0
+    epsilon: float = 0.0
+    zeta: float = 0.0
+    eta: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma"):
+        for name in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or not 0 <= value < float("inf"):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
                 raise ValueError(f"StepTimeModel.{name} must be a finite number >= 0, got {value!r}")
-        if self.alpha == self.beta == self.gamma == 0:
+        if not any((self.alpha, self.beta, self.gamma, self.delta, self.epsilon, self.zeta, self.eta)):
             raise ValueError("StepTimeModel needs a positive coefficient, or virtual time never moves")
 
-    def seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
+    def seconds(self, prefill_tokens: int, decode_seqs: int, decode_context: int = 0,
+                prefill_context: int = 0, new_requests: int = 0, new_prompt_tokens: int = 0) -> float:
         """The duration of a step with this much prefill and decode work."""
-        return self.alpha + self.beta * prefill_tokens + self.gamma * decode_seqs
+        return (self.alpha + self.beta * prefill_tokens + self.gamma * decode_seqs
+                + self.delta * decode_context + self.epsilon * prefill_context
+                + self.zeta * new_requests + self.eta * new_prompt_tokens)
+
+    def plan_seconds(self, plan: StepPlan) -> float:
+        """The duration of the step ``plan`` describes."""
+        return self.seconds(plan.prefill_tokens, plan.decode_seqs, plan.decode_context,
+                            plan.prefill_context, plan.new_requests, plan.new_prompt_tokens)
 
 
 class SimClock:
@@ -447,7 +468,7 @@ class SimEngine:
                     self._record()
                     continue
                 idle_steps = 0
-                start, seconds = clock.now(), self.step_time.seconds(plan.prefill_tokens, plan.decode_seqs)
+                start, seconds = clock.now(), self.step_time.plan_seconds(plan)
                 await clock.sleep(seconds)
                 for req in core.update(plan):
                     req.stream.wake()

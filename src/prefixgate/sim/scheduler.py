@@ -264,12 +264,22 @@ class StepPlan:
         prefill_tokens: Tokens of prompt (or recomputation) work this step.
         decode_seqs: Requests decoding one token this step.
         preempted: Requests preempted while scheduling this step.
+        decode_context: Tokens of KV the decoding requests attend to (their lengths, summed).
+        prefill_context: Attention work of the prefill chunks: per chunk, its tokens times the
+            context length at its middle (token pairs), summed.
+        new_requests: Requests scheduled for the first time (the engine hashed their prompts'
+            blocks and looked them up in its cache).
+        new_prompt_tokens: Their prompt tokens, summed (cached or not).
     """
 
     scheduled: tuple[tuple[SimRequest, int], ...]
     prefill_tokens: int
     decode_seqs: int
     preempted: int
+    decode_context: int = 0
+    prefill_context: int = 0
+    new_requests: int = 0
+    new_prompt_tokens: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -375,6 +385,7 @@ class SimScheduler:
             scheduled.append((request, n))
             budget -= n
             i += 1
+        new_requests = new_prompt_tokens = 0
         if not preempted:
             waiting = self.waiting
             while budget > 0 and waiting and len(running) < self.max_num_seqs:
@@ -386,6 +397,9 @@ class SimScheduler:
                 n = min(request.num_tokens - hit_tokens, budget)
                 if not self._allocate(request, n, hits, hit_tokens, full_must_fit=True):
                     break
+                if request.num_preemptions == 0:
+                    new_requests += 1
+                    new_prompt_tokens += request.num_prompt_tokens
                 if request.reads_cache and self.enable_caching and request.num_preemptions == 0:
                     self.prefix_queries += request.num_tokens
                     self.prefix_hits += hit_tokens
@@ -395,14 +409,17 @@ class SimScheduler:
                 request.num_computed = hit_tokens
                 scheduled.append((request, n))
                 budget -= n
-        prefill = decode = 0
+        prefill = decode = decode_context = prefill_context = 0
         for request, n in scheduled:
             if n == 1 and request.num_output and request.num_computed == request.num_tokens - 1:
                 decode += 1
+                decode_context += request.num_tokens
             else:
                 prefill += n
+                prefill_context += n * (request.num_computed + n // 2)
             request.num_computed += n
-        return StepPlan(tuple(scheduled), prefill, decode, preempted)
+        return StepPlan(tuple(scheduled), prefill, decode, preempted, decode_context, prefill_context,
+                        new_requests, new_prompt_tokens)
 
     def update(self, plan: StepPlan) -> list[SimRequest]:
         """Applies a finished step: samples one token per request whose prefill is complete.

@@ -1,0 +1,77 @@
+"""The frontend's event loop as one CPU, in virtual time.
+
+A real gateway, vLLM's own frontend (``AsyncLLM``: adding requests, processing each step's
+outputs) and an in-process client share one asyncio event loop, which runs one piece of Python
+at a time. When that loop is the busiest part of the system (fast GPU steps, cache hits, short
+outputs) its CPU time, not the engine, bounds requests per second. SimEngine's steps take
+virtual time; this module charges the loop's work too, so that a simulation shows that bound:
+:class:`LoopServer` queues work first-come first-served on one virtual CPU, and
+:class:`LoopCost` says how much each request and output costs (measured on the machine at hand
+by ``python -m benchmarks.fit_step_model``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..clock import Clock
+
+__all__ = ["LoopCost", "LoopServer"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoopCost:
+    """CPU seconds the frontend's event loop spends on each piece of work.
+
+    Attributes:
+        request: vLLM's frontend, per request (adding it; its first output).
+        output: vLLM's frontend and the client, per further output.
+        prompt_token: Tokenizing a text prompt on the loop, per token (what a bare client that
+            tokenizes before calling the engine spends; prefixgate tokenizes in workers).
+        gateway_request: prefixgate's own work on the loop, per request (checks, keys, queue,
+            dispatch, completion; ingress in worker processes).
+        gateway_output: prefixgate's own work on the loop, per output it passes on.
+
+    Raises:
+        ValueError: If a cost is negative or not finite.
+    """
+
+    request: float = 0.0
+    output: float = 0.0
+    prompt_token: float = 0.0
+    gateway_request: float = 0.0
+    gateway_output: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("request", "output", "prompt_token", "gateway_request", "gateway_output"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+                raise ValueError(f"LoopCost.{name} must be a finite number >= 0, got {value!r}")
+
+
+class LoopServer:
+    """One CPU that runs queued work in arrival order, on ``clock``'s (virtual) time.
+
+    :meth:`spend` returns once the work handed to it has run: when the loop is free, after
+    ``seconds``; when it is busy, after the work queued before it as well.
+
+    Args:
+        clock: The simulation's clock.
+    """
+
+    __slots__ = ("_clock", "_free_at", "busy_seconds")
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._free_at = 0.0
+        self.busy_seconds = 0.0
+        """Work charged so far, in seconds."""
+
+    async def spend(self, seconds: float) -> None:
+        """Runs ``seconds`` of work on the loop, after whatever is queued on it."""
+        if seconds <= 0:
+            return
+        now = self._clock.now()
+        self._free_at = max(now, self._free_at) + seconds
+        self.busy_seconds += seconds
+        await self._clock.sleep(self._free_at - now)

@@ -1,0 +1,118 @@
+"""The step-time fitter and the event-loop charge (issue 15): the fitter is tested, not the machine.
+
+``benchmarks.fit_step_model`` reconstructs each step's context work from vLLM's per-step counts
+and fits :class:`prefixgate.sim.StepTimeModel`; the simulator's own steps, whose terms are known
+exactly, check both. The committed profiles must come back from their own synthetic data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from benchmarks.engines import SIM_PROFILES
+from benchmarks.fit_step_model import (
+    Calibration,
+    ContextTracker,
+    LoopPhase,
+    calibrate_sim,
+    fit,
+    fit_loop_cost,
+    report,
+    run_calibration,
+)
+from prefixgate.sim import LoopCost, LoopServer, SimClock, SimEngine, StepTimeModel
+from prefixgate.testing import FakeSamplingParams
+
+COEFFICIENTS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta")
+# A refit from synthetic steps must reproduce a committed profile to within this, per coefficient
+# (relative), and to 1e-12 s absolute for coefficients that are 0.
+TOLERANCE = 0.01
+
+
+async def _plans_and_tracker(block_size: int, max_model_len: int) -> tuple[list[tuple[int, ...]],
+                                                                           list[tuple[int, ...]]]:
+    tracker = ContextTracker()
+    exact: list[tuple[int, ...]] = []
+    rebuilt: list[tuple[int, ...]] = []
+
+    def on_step(_start: float, _seconds: float, plan: object) -> None:
+        exact.append((plan.decode_context, plan.prefill_context, plan.new_requests,  # type: ignore[attr-defined]
+                      plan.new_prompt_tokens))  # type: ignore[attr-defined]
+        rebuilt.append(tracker.step(plan.prefill_tokens, plan.decode_seqs))  # type: ignore[attr-defined]
+
+    sim = SimEngine(block_size=block_size, num_blocks=64 * max_model_len // block_size, max_num_seqs=128,
+                    max_num_batched_tokens=2048, max_model_len=max_model_len, on_step=on_step)
+    cal = Calibration(prefill_prompts=12, decode_tokens=8)
+    await run_calibration(sim, FakeSamplingParams, cal, vocab=3000, tracker=tracker)
+    return exact, rebuilt
+
+
+@pytest.mark.parametrize("block_size,max_model_len", [(128, 4096), (16, 16_384)])
+async def test_the_tracker_rebuilds_each_steps_context_work_from_the_counts_vllm_reports(
+        block_size: int, max_model_len: int) -> None:
+    exact, rebuilt = await _plans_and_tracker(block_size, max_model_len)
+    assert len(exact) > 50
+    assert any(e[0] for e in exact) and any(e[1] for e in exact) and any(e[2] > 8 for e in exact)
+    mismatched = [(i, e, r) for i, (e, r) in enumerate(zip(exact, rebuilt, strict=True)) if e != r]
+    assert not mismatched, mismatched[:5]
+
+
+@pytest.mark.parametrize("size", sorted(SIM_PROFILES))
+async def test_the_fit_reproduces_each_committed_profile_from_its_own_synthetic_steps(size: str) -> None:
+    profile = SIM_PROFILES[size]
+    truth = dataclasses.astuple(StepTimeModel(*profile.step_time))
+    records, _ = await calibrate_sim(Calibration(), truth, max_model_len=profile.max_model_len,
+                                     block_size=profile.block_size)
+    got = report(records, {})["fit"]
+    for name, want in zip(COEFFICIENTS, truth, strict=True):
+        assert got[name] == pytest.approx(want, rel=TOLERANCE, abs=1e-12), (size, name)
+
+
+def test_the_fit_drops_a_step_slowed_by_a_neighbour_and_keeps_coefficients_non_negative() -> None:
+    rows = [(0.002 + 1e-5 * p + 3e-4 * d, p, d) for p in (0, 512, 2048) for d in (1, 8, 64)]
+    rows.append((0.5, 512, 8))  # the CPU stolen for half a second
+    f = fit(rows)
+    assert (f.alpha, f.beta, f.gamma) == pytest.approx((0.002, 1e-5, 3e-4), rel=1e-6)
+    assert f.steps == len(rows) - 1
+    g = fit([(0.001 - 1e-6 * p, p, 1) for p in (0, 100, 200, 300)])  # time falling with prefill
+    assert min(g.alpha, g.beta, g.gamma) >= 0
+
+
+def test_loop_costs_come_apart_into_per_request_per_output_and_the_gateways_excess() -> None:
+    want = LoopCost(request=300e-6, output=20e-6, prompt_token=0.5e-6, gateway_request=100e-6,
+                    gateway_output=5e-6)
+
+    def phase(path: str, max_tokens: int, outputs_each: int) -> LoopPhase:
+        per = want.request + (outputs_each - 1) * want.output
+        if path == "gateway":
+            per += want.gateway_request + (outputs_each - 1) * want.gateway_output
+        return LoopPhase(path, 100, max_tokens, 100 * outputs_each, 100 * per, 1.0)
+
+    phases = [phase("bare", 1, 1), phase("bare", 16, 12), phase("gateway", 1, 1), phase("gateway", 16, 9)]
+    got = fit_loop_cost(phases, want.prompt_token)
+    assert got == pytest.approx(dataclasses.asdict(want), rel=1e-9)
+
+
+async def test_the_loop_runs_one_piece_of_work_at_a_time_in_arrival_order() -> None:
+    clock = SimClock()
+    loop = LoopServer(clock)
+    done: dict[str, float] = {}
+
+    async def work(name: str, at: float, seconds: float) -> None:
+        await clock.sleep(at)
+        await loop.spend(seconds)
+        done[name] = clock.now()
+
+    await asyncio.gather(work("a", 0.0, 0.010), work("b", 0.001, 0.005), work("c", 0.030, 0.002),
+                         work("free", 0.0, 0.0))
+    assert done == pytest.approx({"a": 0.010, "b": 0.015, "c": 0.032, "free": 0.0})
+    assert loop.busy_seconds == pytest.approx(0.017)
+
+
+@pytest.mark.parametrize("bad", [-1e-6, float("inf"), float("nan"), True])
+def test_a_loop_cost_must_be_a_finite_non_negative_number(bad: float) -> None:
+    with pytest.raises(ValueError, match=r"LoopCost\.output"):
+        LoopCost(output=bad)
