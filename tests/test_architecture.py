@@ -122,3 +122,9 @@ def test_no_import_cycles(package):
     modules = module_files(ROOT / package)
     cycle = find_cycle(import_graph(modules))
     assert cycle is None, f"import cycle in {package}: {' -> '.join(cycle or ())}"
+
+
+def test_no_module_imports_the_package_front_door_and_the_stream_knows_no_gateway():
+    graph = import_graph(module_files(ROOT / "src/prefixgate"))
+    assert [m for m, edges in graph.items() if "prefixgate" in edges] == []
+    assert not graph["prefixgate.streaming"] & {"prefixgate.gateway", "prefixgate.dispatch"}
