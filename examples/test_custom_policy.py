@@ -1,5 +1,6 @@
 """Tests of the example policy, as a user would write them: a FakeEngine that holds requests
-until released, so the queue builds up and the dispatch order can be read off the engine."""
+until released, so the queue builds up and the dispatch order can be read off the engine.
+``run_until_idle()`` lets every request go as far as it can (no ``sleep(0)`` spins)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from examples.custom_policy import ShortestJobFirst
 from prefixgate import Gateway, GatewayConfig
-from prefixgate.testing import FakeEngine, FakeSamplingParams
+from prefixgate.testing import FakeEngine, FakeSamplingParams, run_until_idle
 
 
 async def _order(requests: list[tuple[str, str, int]]) -> list[str]:
@@ -24,11 +25,10 @@ async def _order(requests: list[tuple[str, str, int]]) -> list[str]:
 
         head = asyncio.create_task(run(gw.generate("occupies the only slot", FakeSamplingParams(4),
                                                    request_id="head")))
-        await asyncio.sleep(0)
+        await run_until_idle()  # head is dispatched and holds the slot
         tasks = [asyncio.create_task(run(gw.generate(p, FakeSamplingParams(n), request_id=rid)))
                  for rid, p, n in requests]
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await run_until_idle()  # every request is queued
         engine.step.set()
         await asyncio.gather(head, *tasks)
     return engine.started[1:]

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from prefixgate import Gateway, GatewayConfig, OrderingPolicy, PriorityOrder, Ticket
-from prefixgate.testing import FakeEngine, FakeSamplingParams
+from prefixgate.testing import FakeEngine, FakeSamplingParams, run_until_idle
 
 SP = FakeSamplingParams(max_tokens=1)
 
@@ -31,12 +31,10 @@ async def _dispatch_order(ordering: object, prompts: dict[str, str]) -> list[str
     async with Gateway(engine, GatewayConfig(ordering=ordering, max_in_flight=1)) as gw:
         first = gw.generate("warm up the single slot", SP, request_id="first")
         task = asyncio.create_task(_drain(first))
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await run_until_idle()
         streams = [gw.generate(text, SP, request_id=rid) for rid, text in prompts.items()]
         tasks = [asyncio.create_task(_drain(s)) for s in streams]
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await run_until_idle()
         engine.step.set()
         await asyncio.gather(task, *tasks)
     return engine.started[1:]

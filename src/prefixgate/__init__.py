@@ -19,7 +19,7 @@ from .canonicalize import (
     canonicalize_messages,
     canonicalize_text,
 )
-from .clock import Clock, FakeClock, MonotonicClock
+from .clock import AutoClock, Clock, FakeClock, MonotonicClock
 from .config import GatewayConfig, TenantLimits
 from .engine import Engine, EngineRequest, KvStats, SamplingCheck, Tokenizer
 from .errors import (
@@ -53,6 +53,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "RULE_SETS",
+    "AutoClock",
     "BlockHash",
     "CanonicalizeConfig",
     "Canonicalized",
