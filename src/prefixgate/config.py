@@ -96,6 +96,13 @@ class GatewayConfig:
         ordering: The waiting queue's policy: ``"prefix"`` (siblings together, the default),
             ``"fcfs"`` or ``"priority"``, or your own :class:`~prefixgate.OrderingPolicy` as a
             class (instantiated once per gateway) or an instance.
+        tenant_order: How tenants' queues are interleaved: ``"fair"`` (the default: the tenant
+            with the fewest requests in flight goes next, and the ordering applies within each
+            tenant) or ``"global"`` (the ordering's keys are compared across tenants: with
+            ``ordering="priority"``, priority 0 of any tenant goes before priority 5 of any
+            other, whoever arrived first). In-flight shares and the aging bound (over the
+            oldest request of all tenants) still apply. ``"global"`` needs a non-circular
+            ordering (not ``"prefix"``).
         max_queue_len: The most requests waiting; more are refused with ``QueueFull``.
         queue_timeout: Seconds a request may wait before ``QueueTimeout``; ``None``: no limit.
         max_wait_factor: Aging bound: a request that newer ones have overtaken and that has
@@ -148,6 +155,7 @@ class GatewayConfig:
     ingress_max_pending: int = 4096
     ingress_bulk_chars: int = 262_144
     ordering: Any = "prefix"
+    tenant_order: str = "fair"
     max_queue_len: int = 10_000
     queue_timeout: float | None = None
     max_wait_factor: float = 2.0
@@ -202,8 +210,15 @@ class GatewayConfig:
         object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
         _check("default_tenant_limits", isinstance(self.default_tenant_limits, TenantLimits),
                self.default_tenant_limits, "a TenantLimits")
-        from .queueing import ORDERING_POLICIES, is_ordering_policy
+        from .queueing import ORDERING_POLICIES, TENANT_ORDERS, is_ordering_policy
 
         _check("ordering", self.ordering in ORDERING_POLICIES if isinstance(self.ordering, str)
                else is_ordering_policy(self.ordering), self.ordering,
                f"one of {sorted(ORDERING_POLICIES)} or an OrderingPolicy (class or instance)")
+        _check("tenant_order", self.tenant_order in TENANT_ORDERS, self.tenant_order,
+               f"one of {TENANT_ORDERS}")
+        if self.tenant_order == "global":
+            circular = (ORDERING_POLICIES[self.ordering]().circular if isinstance(self.ordering, str)
+                        else self.ordering.circular)
+            _check("ordering", not circular, self.ordering,
+                   "a non-circular ordering (such as 'priority' or 'fcfs') with tenant_order='global'")

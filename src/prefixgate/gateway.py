@@ -108,7 +108,7 @@ class Gateway:
             clock=self.clock, max_queue_len=config.max_queue_len, max_in_flight=max_in_flight,
             max_wait_factor=config.max_wait_factor, min_aging_wait=config.min_aging_wait,
             tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits,
-            share_base=self._engine_slots)
+            share_base=self._engine_slots, tenant_order=config.tenant_order)
         self._throttles: dict[str | None, RateLimiter] = {}
         self._pump_scheduled = False
         self._stats = StatsRecorder()
