@@ -141,6 +141,11 @@ class GatewayConfig:
             queue is non-empty) over the recent drain rate, scaled by how much longer than
             predicted recent requests really waited. Pair it with ``queue_timeout`` of the
             same value to bound the wait of admitted requests too.
+        admission_policy: Your rules for which requests may be queued, consulted before rate
+            limits and the queue: a :class:`~prefixgate.AdmissionPolicy` instance (its state is
+            shared by the gateways that share it) or class (instantiated once per gateway),
+            such as :class:`~prefixgate.TokenBudget`; a refusal raises ``AdmissionRefused``
+            before any engine call. ``None`` (the default): none.
     """
 
     canonicalize: CanonicalizeConfig | str = field(default_factory=CanonicalizeConfig)
@@ -171,6 +176,7 @@ class GatewayConfig:
     stats_max_age: float = 2.0
     stall_timeout: float | None = 60.0
     max_queue_wait: float | None = None
+    admission_policy: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.canonicalize, str):
@@ -215,6 +221,12 @@ class GatewayConfig:
         _check("ordering", self.ordering in ORDERING_POLICIES if isinstance(self.ordering, str)
                else is_ordering_policy(self.ordering), self.ordering,
                f"one of {sorted(ORDERING_POLICIES)} or an OrderingPolicy (class or instance)")
+        from .policies import is_admission_policy
+
+        _check("admission_policy", self.admission_policy is None
+               or is_admission_policy(self.admission_policy), self.admission_policy,
+               "None or an AdmissionPolicy (class or instance) with check(ticket, now) and "
+               "release(ticket, usage, now) methods")
         _check("tenant_order", self.tenant_order in TENANT_ORDERS, self.tenant_order,
                f"one of {TENANT_ORDERS}")
         if self.tenant_order == "global":
