@@ -163,7 +163,9 @@ class AutoClock:
     pass one to :class:`~prefixgate.Gateway` and :class:`~prefixgate.testing.FakeEngine`
     (``FakeEngine(clock=clock, output_time=1.0)``), and ``await clock.sleep(5)`` lets exactly
     5 s of virtual time pass, every timer due on the way (queue timeouts, rate limits, engine
-    outputs) firing in order, with no ``advance`` calls and no ``sleep(0)`` spins.
+    outputs) firing in order, with no ``advance`` calls and no ``sleep(0)`` spins. Sleepers due
+    at the same instant wake in the order they began sleeping, so a timer due exactly when your
+    sleep ends but set after it began fires just after your sleep returns.
 
     Pending events are the deadlines of :meth:`sleep` calls. A driver task waits until the loop
     is *quiescent* (no callback ready to run: every task is blocked on a future), then moves

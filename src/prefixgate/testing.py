@@ -16,7 +16,7 @@ order::
         tasks = [asyncio.create_task(consume(gw.generate(p, FakeSamplingParams(2)))) for p in ps]
         await run_until_idle()                            # all queued, the first dispatched
         assert gw.statistics().running == 1
-        await clock.sleep(2.0)                            # the first has finished
+        await clock.sleep(2.5)                            # the first finished at t=2
 """
 
 from __future__ import annotations
