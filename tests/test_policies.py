@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -170,3 +171,33 @@ async def test_under_global_priority_the_aging_bound_still_lets_a_cold_request_t
 def test_global_order_is_validated_at_config_time(bad):
     with pytest.raises(ValueError, match=r"GatewayConfig\.(tenant_order|ordering)"):
         GatewayConfig(**bad)
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_global_priority_dispatches_in_key_order_over_tenants_whatever_joins_and_leaves(seed):
+    """Random tenants and priorities join behind a held slot, some leave while queued: once the
+    slot frees, what is left goes in (priority, arrival) order across all tenants."""
+    rng = random.Random(seed)
+    engine = FakeEngine(block_size=4, step=asyncio.Event())
+    config = GatewayConfig(ordering="priority", tenant_order="global", max_in_flight=1,
+                           min_aging_wait=1e9)  # no aging: the keys alone decide
+    async with Gateway(engine, config) as gw:
+        head = asyncio.create_task(_drain(gw.generate("holds the slot", SP, request_id="head")))
+        await run_until_idle()
+        streams, expected = [], []
+        for i in range(40):
+            priority = rng.randrange(4)
+            stream = await gw.submit(f"request {i}", SP, tenant=f"t{rng.randrange(5)}",
+                                     request_id=f"r{i}", priority=priority)
+            streams.append(stream)
+            expected.append((priority, i))
+            if rng.random() < 0.3:  # an earlier one leaves the queue
+                j = rng.randrange(len(streams))
+                if expected[j] is not None:
+                    await streams[j].aclose()
+                    expected[j] = None
+        tasks = [asyncio.create_task(_drain(s)) for s, e in zip(streams, expected, strict=True)
+                 if e is not None]
+        engine.step.set()
+        await asyncio.gather(head, *tasks)
+    assert engine.started[1:] == [f"r{i}" for _, i in sorted(e for e in expected if e is not None)]
