@@ -66,7 +66,8 @@ class FakeClock:
         await fut
 
     async def advance(self, seconds: float) -> None:
-        """Moves time forward by ``seconds`` and lets every sleeper due by then run."""
+        """Moves time forward by ``seconds``; after each sleeper due by then wakes, and at the
+        end, every task runs until it blocks (:func:`run_until_idle`) before time moves on."""
         if seconds < 0:
             raise ValueError(f"cannot move a clock backwards (seconds={seconds})")
         target = self._now + seconds
@@ -75,10 +76,9 @@ class FakeClock:
             self._now = max(self._now, deadline)
             if not fut.done():
                 fut.set_result(None)
-            for _ in range(3):  # let the woken task and what it wakes run before moving on
-                await asyncio.sleep(0)
+                await run_until_idle()  # the woken task and what it wakes, before moving on
         self._now = target
-        await asyncio.sleep(0)
+        await run_until_idle()
 
     def __repr__(self) -> str:
         return f"FakeClock(now={self._now:.3f}, sleepers={len(self._sleepers)})"
