@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from prefixgate import AutoClock, Gateway, GatewayConfig
+from prefixgate import AutoClock, FakeClock, Gateway, GatewayConfig
 from prefixgate.sim import SimClock
 from prefixgate.testing import FakeEngine, FakeSamplingParams, run_until_idle
 
@@ -69,3 +69,20 @@ async def test_a_gateway_on_an_auto_clock_needs_no_advance_calls_and_no_spins():
     # r2 would start at t=4, past its 3.5 s queue timeout: the timer fired in virtual time.
     assert [type(r).__name__ for r in results] == ["list", "list", "QueueTimeout"]
     assert clock.now() == 4.0
+
+
+async def test_fake_clock_advance_finishes_what_a_woken_timer_sets_off_before_moving_on():
+    clock = FakeClock()
+    seen: list[tuple[str, float]] = []
+
+    async def timer(name: str, seconds: float) -> None:
+        await clock.sleep(seconds)
+        for _ in range(100):  # a deep chain of plain yields after the wake-up
+            await asyncio.sleep(0)
+        seen.append((name, clock.now()))
+
+    tasks = [asyncio.create_task(timer("a", 1.0)), asyncio.create_task(timer("b", 2.0))]
+    await run_until_idle()
+    await clock.advance(5.0)
+    assert seen == [("a", 1.0), ("b", 2.0)]  # each finished at its own time, none left behind
+    await asyncio.gather(*tasks)
