@@ -73,7 +73,8 @@ _RESIDENT_LOOKAHEAD = 8  # oldest tickets checked for a resident prefix when a g
 
 
 class OrderingPolicy(Protocol):
-    """Orders one tenant's waiting queue: the smallest key goes first.
+    """Orders one tenant's waiting queue (all tenants' with ``tenant_order="global"``): the
+    smallest key goes first.
 
     Pass an instance, a class (instantiated once per gateway) or the name of a built-in as
     ``GatewayConfig(ordering=...)``. Keys are computed once, at enqueue time, so a policy must
