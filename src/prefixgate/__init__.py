@@ -19,10 +19,12 @@ from .canonicalize import (
     canonicalize_messages,
     canonicalize_text,
 )
-from .clock import Clock, FakeClock, MonotonicClock
+from .clock import AutoClock, Clock, FakeClock, MonotonicClock
 from .config import GatewayConfig, TenantLimits
 from .engine import Engine, EngineRequest, KvStats, SamplingCheck, Tokenizer
 from .errors import (
+    AdmissionPolicyFailed,
+    AdmissionRefused,
     EngineDead,
     EngineError,
     EngineStalled,
@@ -43,6 +45,7 @@ from .errors import (
 )
 from .gateway import Gateway
 from .keys import BlockHash, Namespace, block_hashes
+from .policies import AdmissionPolicy, Refusal, TokenBudget, Usage
 from .queueing import Fcfs, OrderingPolicy, PrefixOrder, PriorityOrder
 from .statistics import GatewayStatistics, RuleStats
 from .streaming import ResponseStream
@@ -53,6 +56,10 @@ __version__ = "0.1.0"
 
 __all__ = (
     "RULE_SETS",
+    "AdmissionPolicy",
+    "AdmissionPolicyFailed",
+    "AdmissionRefused",
+    "AutoClock",
     "BlockHash",
     "CanonicalizeConfig",
     "Canonicalized",
@@ -82,6 +89,7 @@ __all__ = (
     "QueueFull",
     "QueueTimeout",
     "RateLimited",
+    "Refusal",
     "Rejected",
     "RequestTooLarge",
     "ResponseStream",
@@ -94,7 +102,9 @@ __all__ = (
     "TenantLimits",
     "Ticket",
     "TicketState",
+    "TokenBudget",
     "Tokenizer",
+    "Usage",
     "UsageError",
     "VllmEngine",
     "block_hashes",

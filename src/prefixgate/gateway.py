@@ -45,6 +45,7 @@ from .ingress import Ingress, IngressRequest, Prompt
 from .ingress_pool import IngressPool, IngressPoolError, ProcessIngressPool, ThreadIngressPool
 from .keys import chain_hashes, pack_tokens
 from .mirror import PrefixMirror
+from .policies import AdmissionGate, make_admission_policy
 from .queueing import Scheduler, make_policy
 from .ratelimit import RateLimiter
 from .statistics import GatewayStatistics, StatsRecorder
@@ -108,8 +109,10 @@ class Gateway:
             clock=self.clock, max_queue_len=config.max_queue_len, max_in_flight=max_in_flight,
             max_wait_factor=config.max_wait_factor, min_aging_wait=config.min_aging_wait,
             tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits,
-            share_base=self._engine_slots)
+            share_base=self._engine_slots, tenant_order=config.tenant_order)
         self._throttles: dict[str | None, RateLimiter] = {}
+        self._gate = (None if config.admission_policy is None  # the AdmissionPolicy, if any
+                      else AdmissionGate(make_admission_policy(config.admission_policy), self.clock))
         self._pump_scheduled = False
         self._stats = StatsRecorder()
         self._live: dict[str, Ticket | None] = {}  # request ids of streams not yet ended
@@ -265,6 +268,7 @@ class Gateway:
             Everything :meth:`generate` raises.
         """
         request = self._check(prompt, sampling_params, tenant, request_id, lora_request, priority)
+        ticket = None
         try:
             ticket = self._ticket(request, self._ingress.prepare(request))
             if self._scheduler.num_waiting:
@@ -273,6 +277,8 @@ class Gateway:
             if throttle is not None and throttle.retry_after() > 0:
                 raise RateLimited(f"tenant {ticket.tenant!r} is over its request rate",
                                   retry_after=throttle.retry_after(), reason="rate_limited")
+            if self._gate is not None:
+                self._gate.check(ticket)
             self._scheduler.enqueue(ticket)
             self._pump_now()
             if ticket.state is not TicketState.RUNNING:
@@ -285,6 +291,9 @@ class Gateway:
         except PrefixgateError as e:
             self._live.pop(request.request_id, None)
             self._stats.refuse(e.outcome, getattr(e, "reason", None))
+            if self._gate is not None and ticket is not None:
+                ticket.outcome = e.outcome
+                self._gate.release(ticket)  # admitted by the policy, refused after it
             raise
         self._stats.accept(ticket)
         self._live[ticket.request_id] = ticket
@@ -294,7 +303,8 @@ class Gateway:
 
     def can_admit(self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
                   lora_request: Any = None) -> bool:
-        """Whether :meth:`try_generate` with these arguments would be dispatched now. Pure."""
+        """Whether :meth:`try_generate` with these arguments would be dispatched now. Pure: the
+        admission policy is not consulted (its ``check`` may charge a budget)."""
         try:
             ticket = self._ingress.make_ticket(prompt, sampling_params, tenant=tenant,
                                                lora_request=lora_request, request_id="can-admit")
@@ -555,9 +565,12 @@ class Gateway:
         granted.result()
 
     async def _admit(self, ticket: Ticket) -> None:
-        """Rate-limits, load-checks and queues ``ticket`` (the blocking path's ingress)."""
+        """Consults the admission policy, rate-limits, load-checks and queues ``ticket`` (the
+        blocking path's ingress)."""
         try:
             self._check_open()
+            if self._gate is not None:
+                self._gate.check(ticket)
             throttle = self._throttle(ticket.tenant)
             if throttle is not None and not throttle.try_acquire():
                 if self._limits(ticket.tenant).on_limit == "refuse":
@@ -577,7 +590,11 @@ class Gateway:
                 self._scheduler.enqueue(ticket)
         except (Rejected, ShuttingDown, EngineDead, QueueTimeout) as e:
             self._stats.refuse(e.outcome, getattr(e, "reason", None))
+            ticket.outcome = e.outcome
             raise
+        finally:
+            if self._gate is not None and ticket.state is TicketState.NEW:
+                self._gate.release(ticket)  # refused or cancelled after the policy admitted it
         self._stats.accept(ticket)
 
     # -- serving ----------------------------------------------------------------------------
@@ -794,6 +811,8 @@ class Gateway:
         ticket.finished_at = self.clock.now()
         self._scheduler.finish(ticket)
         self._stats.end(ticket)
+        if self._gate is not None:
+            self._gate.release(ticket)
         if not self._scheduler.running:
             self._idle.set()
             if self._watchdog is not None:  # a task on a virtual clock: do not leave it pending
@@ -811,6 +830,8 @@ class Gateway:
             ticket.outcome = Outcome.CANCELLED
             with contextlib.suppress(RuntimeError):  # no running loop (interpreter teardown)
                 self._release(ticket)
+        elif ticket is not None and self._gate is not None:
+            self._gate.release(ticket)  # failed while unread (aclose, a dead engine)
         self._live.pop(stream.request.request_id, None)
 
     def _on_complete(self, ticket: Ticket, last: Any) -> None:
