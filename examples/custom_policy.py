@@ -11,6 +11,8 @@ Use it::
     from examples.custom_policy import ShortestJobFirst
 
     gw = Gateway.for_vllm(engine, GatewayConfig(ordering=ShortestJobFirst))
+    # Shortest job first across tenants too, not only within each:
+    gw = Gateway.for_vllm(engine, GatewayConfig(ordering=ShortestJobFirst, tenant_order="global"))
 
 Its tests are in ``examples/test_custom_policy.py`` (run by ``make test``).
 """

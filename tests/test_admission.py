@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from prefixgate import Gateway, GatewayConfig, KvStats, Overloaded
 from prefixgate.admission import Admission, BlockLedger
 from prefixgate.clock import FakeClock
-from prefixgate.testing import FakeEngine, FakeSamplingParams
+from prefixgate.testing import FakeEngine, FakeSamplingParams, run_until_idle
 
 
 class _T:
@@ -273,6 +273,5 @@ async def _drain(stream):
     return [o async for o in stream]
 
 
-async def _spin(n: int = 6) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
+async def _spin(n: int = 0) -> None:
+    await run_until_idle()

@@ -12,7 +12,7 @@ import gc
 import pytest
 
 from prefixgate import Gateway, GatewayConfig, Outcome, ShuttingDown
-from prefixgate.testing import FakeClock, FakeEngine, FakeSamplingParams
+from prefixgate.testing import FakeClock, FakeEngine, FakeSamplingParams, run_until_idle
 
 SP = FakeSamplingParams(max_tokens=50)
 
@@ -24,9 +24,8 @@ def assert_nothing_held(gw: Gateway, engine: FakeEngine) -> None:
     assert engine.running == set()
 
 
-async def spin(n: int = 5) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
+async def spin(n: int = 0) -> None:
+    await run_until_idle()
 
 
 async def test_cancelling_the_consumer_mid_stream_aborts_the_engine_request():

@@ -19,7 +19,7 @@ from prefixgate import (
     Rule,
     ShuttingDown,
 )
-from prefixgate.testing import FakeClock, FakeEngine, FakeSamplingParams
+from prefixgate.testing import FakeClock, FakeEngine, FakeSamplingParams, run_until_idle
 
 SP = FakeSamplingParams(max_tokens=2)
 
@@ -177,8 +177,7 @@ async def test_queue_is_bounded_and_fcfs_with_an_in_flight_window(engine):
         # r1 and r2 wait, r3 is refused.
         streams = [gw.generate(f"prompt {i}", SP, request_id=f"r{i}") for i in range(4)]
         tasks = [asyncio.create_task(drain(s)) for s in streams]
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await run_until_idle()
         assert gw.statistics().running == 1 and gw.statistics().queued == 2
         with pytest.raises(QueueFull) as info:
             await tasks[3]
@@ -196,8 +195,7 @@ async def test_queue_timeout_evicts_a_waiting_request(engine):
     async with Gateway(engine, config, clock=clock) as gw:
         running = asyncio.create_task(drain(gw.generate("first", SP)))
         waiting = asyncio.create_task(drain(gw.generate("second", SP)))
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await run_until_idle()
         await clock.advance(4.9)
         assert not waiting.done()
         await clock.advance(0.2)

@@ -27,3 +27,17 @@ def test_every_error_names_its_outcome_and_says_when_it_is_raised():
         if isinstance(obj, type) and issubclass(obj, prefixgate.PrefixgateError):
             assert isinstance(obj.outcome, prefixgate.Outcome)
             assert obj.__doc__ and len(obj.__doc__) > 20
+
+
+def test_every_member_of_an_exported_policy_protocol_is_documented():
+    """Protocols users implement (ordering, admission): each method has a docstring and each
+    attribute is described in the class docstring."""
+    for protocol in (prefixgate.OrderingPolicy, prefixgate.AdmissionPolicy):
+        assert protocol.__doc__ and len(protocol.__doc__) > 100
+        members = [n for n in vars(protocol) if not n.startswith("_")]
+        assert members, protocol
+        for name in members:
+            assert getattr(protocol, name).__doc__, f"{protocol.__name__}.{name}"
+        for name in getattr(protocol, "__annotations__", {}):
+            assert f"{name}:" in protocol.__doc__, f"{protocol.__name__}.{name}"
+    assert {"check", "release"} <= set(vars(prefixgate.AdmissionPolicy))

@@ -8,14 +8,10 @@ import pytest
 
 from prefixgate import Gateway, GatewayConfig, RateLimited
 from prefixgate.config import TenantLimits
-from prefixgate.testing import FakeClock, FakeEngine, FakeSamplingParams
+from prefixgate.testing import FakeClock, FakeEngine, FakeSamplingParams, run_until_idle
 
 SP = FakeSamplingParams(max_tokens=1)
 
-
-async def spin(n: int = 8) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
 
 
 async def drain(stream):
@@ -55,7 +51,7 @@ async def test_priority_ordering_runs_lower_priority_values_first():
     gw = Gateway(engine, GatewayConfig(ordering="priority", max_in_flight=1))
     tasks = [asyncio.create_task(drain(gw.generate(f"p{i}", SP, request_id=f"r{i}", priority=pr)))
              for i, pr in enumerate([5, 1, 3, 0])]
-    await spin()
+    await run_until_idle()
     engine.step.set()
     await asyncio.gather(*tasks)
     assert engine.started == ["r3", "r1", "r2", "r0"]
@@ -71,11 +67,11 @@ async def test_prefix_ordering_returns_to_a_resident_prefix_after_a_group_ends()
     await drain(gw.generate(warm + "first", SP, request_id="warm"))
     engine.step.clear()
     blocker = asyncio.create_task(drain(gw.generate("blocker " * 3, SP, request_id="blocker")))
-    await spin()
+    await run_until_idle()
     cold = [asyncio.create_task(drain(gw.generate(f"cold {i} " * 6, SP, request_id=f"cold{i}")))
             for i in range(3)]
     hot = asyncio.create_task(drain(gw.generate(warm + "second", SP, request_id="hot")))
-    await spin()
+    await run_until_idle()
     engine.step.set()
     await asyncio.gather(blocker, hot, *cold)
     assert engine.started[2] == "hot"  # newest, but its prefix is resident
@@ -91,14 +87,14 @@ async def test_aging_bound_is_deterministic_with_a_fake_clock():
                                        min_aging_wait=0.5), clock=clock)
     hot = "hot shared prefix " * 3
     tasks = [asyncio.create_task(drain(gw.generate(hot + "q0", SP, request_id="q0")))]
-    await spin()
+    await run_until_idle()
     cold = gw.generate("zzz cold and alone " * 2, SP, request_id="cold")
     tasks.append(asyncio.create_task(drain(cold)))
     for i in range(1, 8):  # a hot sibling arrives each second, just before the running one ends
         tasks.append(asyncio.create_task(drain(gw.generate(hot + f"q{i}", SP, request_id=f"q{i}"))))
-        await spin()
+        await run_until_idle()
         await clock.advance(1.0)
-        await spin()
+        await run_until_idle()
     await clock.advance(5.0)
     await asyncio.gather(*tasks)
     wait = cold.ticket.dispatched_at - cold.ticket.arrival
@@ -119,7 +115,7 @@ async def test_a_burst_is_ordered_by_the_policy_without_aging():
     prompts = [f"document {d} " * 4 + f"question {q}" for q in range(3) for d in range(4)]
     tasks = [asyncio.create_task(drain(gw.generate(p, SP))) for p in prompts]
     for _ in range(14):
-        await spin()
+        await run_until_idle()
         await clock.advance(1.0)
     await asyncio.gather(*tasks)
     assert gw._scheduler.aged_dispatches == 0
@@ -132,10 +128,10 @@ async def test_a_noisy_tenant_cannot_take_the_whole_window():
     gw = Gateway(engine, config)
     noisy = [asyncio.create_task(drain(gw.generate(f"n{i}", SP, tenant="noisy", request_id=f"n{i}")))
              for i in range(10)]
-    await spin()
+    await run_until_idle()
     quiet = [asyncio.create_task(drain(gw.generate(f"q{i}", SP, tenant="quiet", request_id=f"q{i}")))
              for i in range(2)]
-    await spin()
+    await run_until_idle()
     assert engine.started[:4] == ["n0", "n1", "n2", "n3"]  # alone, noisy may use the window
     engine.step.set()
     await asyncio.gather(*noisy, *quiet)
@@ -150,10 +146,10 @@ async def test_a_tenant_at_its_share_waits_while_another_is_served():
     config = GatewayConfig(ordering="fcfs", tenants={"noisy": TenantLimits(max_in_flight_share=0.5)})
     gw = Gateway(engine, config)
     quiet = asyncio.create_task(drain(gw.generate("q0", SP, tenant="quiet", request_id="q0")))
-    await spin()
+    await run_until_idle()
     noisy = [asyncio.create_task(drain(gw.generate(f"n{i}", SP, tenant="noisy", request_id=f"n{i}")))
              for i in range(6)]
-    await spin()
+    await run_until_idle()
     stats = gw.statistics()
     assert (stats.running, stats.queued, stats.blocked) == (3, 4, "tenant_share")
     assert engine.started == ["q0", "n0", "n1"]
@@ -171,7 +167,7 @@ async def test_siblings_do_not_ride_past_another_tenant():
              for i in range(5)]
     other = asyncio.create_task(drain(gw.generate("something else entirely", SP, tenant="b",
                                                   request_id="b0")))
-    await spin()
+    await run_until_idle()
     assert engine.started == ["a0", "b0"]  # not a0, a1 (a rider), a2, a3
     assert gw.statistics().blocked == "max_in_flight"
     engine.step.set()
@@ -184,7 +180,7 @@ async def test_one_tenant_may_use_twice_max_num_seqs():
     gw = Gateway(engine, GatewayConfig())
     tasks = [asyncio.create_task(drain(gw.generate(f"request {i}", SP, tenant="a")))
              for i in range(6)]
-    await spin()
+    await run_until_idle()
     assert gw.statistics().running == 4 and gw.statistics().queued == 2
     engine.step.set()
     await asyncio.gather(*tasks)
@@ -196,7 +192,7 @@ async def test_tenant_rate_limit_paces_the_blocking_path_and_refuses_the_non_blo
     gw = Gateway(engine, GatewayConfig(tenants={"acme": TenantLimits(rate=2)}), clock=clock)
     tasks = [asyncio.create_task(drain(gw.generate(f"a{i}", SP, tenant="acme", request_id=f"a{i}")))
              for i in range(5)]
-    await spin(20)
+    await run_until_idle()
     assert len(engine.started) == 2
     assert gw.statistics().queued == 3  # waiting for the rate counts as queued
     with pytest.raises(RateLimited) as info:
@@ -204,7 +200,7 @@ async def test_tenant_rate_limit_paces_the_blocking_path_and_refuses_the_non_blo
     # Behind 3 waiters at one slot per 0.5 s (the first at 0.5 s): its own slot comes at 2.0 s.
     assert info.value.retry_after == pytest.approx(2.0)
     await clock.advance(1.0)
-    await spin(20)
+    await run_until_idle()
     assert len(engine.started) == 4
     await clock.advance(1.0)
     await asyncio.gather(*tasks)

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from prefixgate import (
+    AutoClock,
     FakeClock,
     Gateway,
     GatewayConfig,
@@ -18,7 +19,7 @@ from prefixgate import (
     TenantLimits,
 )
 from prefixgate.ratelimit import RateLimiter
-from prefixgate.testing import FakeEngine, FakeSamplingParams
+from prefixgate.testing import FakeEngine, FakeSamplingParams, run_until_idle
 
 SP = FakeSamplingParams(max_tokens=1)
 
@@ -27,22 +28,16 @@ async def drain(stream):
     return [o async for o in stream]
 
 
-async def spin(n: int = 10) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
-
 
 @pytest.mark.parametrize("rate", [1.5, 2.5, 0.4])
 async def test_a_fractional_rate_holds_within_2_percent_over_600_s(rate):
-    clock = FakeClock()
+    clock = AutoClock()  # 600 s of virtual time pass by themselves: no advance, no spins
     engine = FakeEngine()
     config = GatewayConfig(default_tenant_limits=TenantLimits(rate=rate), max_queue_len=100_000)
     async with Gateway(engine, config, clock=clock) as gw:
         tasks = [asyncio.create_task(drain(gw.generate(f"r{i}", SP, tenant="t"))) for i in range(2000)]
-        await spin()
-        for _ in range(600):
-            await clock.advance(1.0)
-            await spin(3)
+        await clock.sleep(600.0)
+        await run_until_idle()
         served = len(engine.started)
         for t in tasks:
             t.cancel()
@@ -62,11 +57,11 @@ async def test_waiters_are_served_in_arrival_order_with_one_wake_up_per_slot():
 
     assert limiter.try_acquire()  # the burst
     tasks = [asyncio.create_task(one(i)) for i in range(5)]
-    await spin()
+    await run_until_idle()
     assert limiter.waiting == 5 and order == []
     for k in range(1, 6):
         await clock.advance(0.5)
-        await spin()
+        await run_until_idle()
         assert order == list(range(k))  # exactly one more per 0.5 s slot, in arrival order
     await asyncio.gather(*tasks)
     assert not limiter.try_acquire() and limiter.retry_after() == pytest.approx(0.5)
@@ -80,12 +75,12 @@ async def test_waiting_for_the_rate_is_bounded_by_max_queue_len_and_queue_timeou
     async with Gateway(engine, config, clock=clock) as gw:
         first = asyncio.create_task(drain(gw.generate("r0", SP, tenant="t")))
         waiting = [asyncio.create_task(drain(gw.generate(f"r{i}", SP, tenant="t"))) for i in (1, 2)]
-        await spin()
+        await run_until_idle()
         assert gw.statistics().queued == 2
         with pytest.raises(QueueFull):
             await gw.submit("r3", SP, tenant="t")
         await clock.advance(1.0)
-        await spin()
+        await run_until_idle()
         await asyncio.gather(first, waiting[0])
         await clock.advance(0.6)  # r2's 1.5 s are up before its slot at 2.0 s
         with pytest.raises(QueueTimeout):
@@ -115,7 +110,7 @@ async def test_closing_the_gateway_ends_rate_waiters_with_shutting_down():
     gw = Gateway(FakeEngine(), GatewayConfig(default_tenant_limits=TenantLimits(rate=1.0)), clock=clock)
     await drain(gw.generate("takes the burst", SP, tenant="t"))
     waiter = asyncio.create_task(drain(gw.generate("waits", SP, tenant="t")))
-    await spin()
+    await run_until_idle()
     await gw.aclose()
     with pytest.raises(ShuttingDown):
         await waiter

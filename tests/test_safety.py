@@ -31,7 +31,7 @@ from prefixgate import (
 from prefixgate.config import TenantLimits
 from prefixgate.errors import EngineStalled, RequestTooLarge, UsageError
 from prefixgate.sim import SimEngine, StepTimeModel
-from prefixgate.testing import FakeClock, FakeEngine, FakeSamplingParams
+from prefixgate.testing import FakeClock, FakeEngine, FakeSamplingParams, run_until_idle
 
 SP = FakeSamplingParams(max_tokens=2)
 
@@ -40,9 +40,8 @@ async def drain(stream):
     return [o async for o in stream]
 
 
-async def spin(n: int = 8) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
+async def spin(n: int = 0) -> None:
+    await run_until_idle()
 
 
 def nothing_held(gw: Gateway) -> bool:

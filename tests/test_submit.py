@@ -9,7 +9,7 @@ import gc
 import pytest
 
 from prefixgate import Gateway, GatewayConfig, QueueFull
-from prefixgate.testing import FakeEngine, FakeSamplingParams
+from prefixgate.testing import FakeEngine, FakeSamplingParams, run_until_idle
 
 SP = FakeSamplingParams(max_tokens=2)
 
@@ -18,9 +18,8 @@ async def drain(stream):
     return [out async for out in stream]
 
 
-async def settle():
-    for _ in range(5):
-        await asyncio.sleep(0)
+async def settle() -> None:
+    await run_until_idle()
 
 
 @pytest.fixture

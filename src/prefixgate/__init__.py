@@ -19,10 +19,12 @@ from .canonicalize import (
     canonicalize_messages,
     canonicalize_text,
 )
-from .clock import Clock, FakeClock, MonotonicClock
+from .clock import AutoClock, Clock, FakeClock, MonotonicClock
 from .config import GatewayConfig, TenantLimits
 from .engine import Engine, EngineRequest, KvStats, SamplingCheck, Tokenizer
 from .errors import (
+    AdmissionPolicyFailed,
+    AdmissionRefused,
     EngineDead,
     EngineError,
     EngineStalled,
@@ -45,6 +47,7 @@ from .errors import (
 from .gateway import Gateway
 from .keys import BlockHash, Namespace, block_hashes
 from .ordering import Fcfs, OrderingPolicy, PrefixOrder, PriorityOrder
+from .policies import AdmissionPolicy, Refusal, TokenBudget, Usage
 from .statistics import GatewayStatistics, RuleStats
 from .streaming import ResponseStream
 from .tickets import Ticket, TicketState
@@ -54,6 +57,10 @@ __version__ = "0.1.0"
 
 __all__ = (
     "RULE_SETS",
+    "AdmissionPolicy",
+    "AdmissionPolicyFailed",
+    "AdmissionRefused",
+    "AutoClock",
     "BlockHash",
     "CanonicalizeConfig",
     "Canonicalized",
@@ -84,6 +91,7 @@ __all__ = (
     "QueueTimeout",
     "RateLimited",
     "Reason",
+    "Refusal",
     "Rejected",
     "RequestTooLarge",
     "ResponseStream",
@@ -96,7 +104,9 @@ __all__ = (
     "TenantLimits",
     "Ticket",
     "TicketState",
+    "TokenBudget",
     "Tokenizer",
+    "Usage",
     "UsageError",
     "VllmEngine",
     "block_hashes",

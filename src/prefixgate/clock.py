@@ -1,4 +1,9 @@
-"""Injected time: a ``Clock`` protocol, the real monotonic clock and a manual fake for tests."""
+"""Injected time: a ``Clock`` protocol, the real monotonic clock, and two clocks for tests.
+
+:class:`FakeClock` moves only when told to; :class:`AutoClock` (the simulator's clock) moves by
+itself, to the next sleeper's deadline, whenever every task on the event loop is blocked.
+:func:`run_until_idle` waits until every other task is blocked, without moving any clock.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,10 @@ import asyncio
 import heapq
 import itertools
 import time
-from typing import Protocol, runtime_checkable
+from collections import deque
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Clock", "FakeClock", "MonotonicClock"]
+__all__ = ["AutoClock", "Clock", "FakeClock", "MonotonicClock", "run_until_idle"]
 
 
 @runtime_checkable
@@ -60,7 +66,8 @@ class FakeClock:
         await fut
 
     async def advance(self, seconds: float) -> None:
-        """Moves time forward by ``seconds`` and lets every sleeper due by then run."""
+        """Moves time forward by ``seconds``; after each sleeper due by then wakes, and at the
+        end, every task runs until it blocks (:func:`run_until_idle`) before time moves on."""
         if seconds < 0:
             raise ValueError(f"cannot move a clock backwards (seconds={seconds})")
         target = self._now + seconds
@@ -69,10 +76,176 @@ class FakeClock:
             self._now = max(self._now, deadline)
             if not fut.done():
                 fut.set_result(None)
-            for _ in range(3):  # let the woken task and what it wakes run before moving on
-                await asyncio.sleep(0)
+                await run_until_idle()  # the woken task and what it wakes, before moving on
         self._now = target
-        await asyncio.sleep(0)
+        await run_until_idle()
 
     def __repr__(self) -> str:
         return f"FakeClock(now={self._now:.3f}, sleepers={len(self._sleepers)})"
+
+
+def _ready_queue(loop: asyncio.AbstractEventLoop) -> deque[Any] | None:
+    """The loop's queue of ready callbacks (CPython 3.11-3.13's private ``_ready`` deque), or
+    ``None`` where it cannot be read (uvloop)."""
+    ready = getattr(loop, "_ready", None)
+    return ready if isinstance(ready, deque) else None
+
+
+def _only_probes(ready: deque[Any], *, defer_to_idle: bool) -> bool:
+    """Whether nothing but probes is ready (an idle probe counts as work when deferring to it)."""
+    for handle in ready:
+        callback = getattr(handle, "_callback", None)
+        if callback is _idle_probe:
+            if defer_to_idle:
+                return False
+        elif callback is not _clock_probe and not handle.cancelled():
+            return False
+    return True
+
+
+def _clock_probe(done: asyncio.Future[None], ready: deque[Any] | None, left: int) -> None:
+    """A callback that re-queues itself until nothing but probes is ready, then sets ``done``.
+
+    Being a plain callback, not a task step, it lets the probes of several clocks sharing one
+    loop recognise each other instead of each seeing the other as pending work. It yields to a
+    pending :func:`run_until_idle`, so time never moves while one waits.
+    """
+    if done.done():
+        return
+    if ready is not None:
+        if _only_probes(ready, defer_to_idle=True):
+            done.set_result(None)
+            return
+    elif left <= 0:  # pragma: no cover - non-CPython event loops
+        done.set_result(None)
+        return
+    done.get_loop().call_soon(_clock_probe, done, ready, left - 1)
+
+
+def _idle_probe(done: asyncio.Future[None], ready: deque[Any] | None, left: int) -> None:
+    """As :func:`_clock_probe`, for :func:`run_until_idle`: clocks' probes do not count as work."""
+    if done.done():
+        return
+    if ready is not None:
+        if _only_probes(ready, defer_to_idle=False):
+            done.set_result(None)
+            return
+    elif left <= 0:  # pragma: no cover - non-CPython event loops
+        done.set_result(None)
+        return
+    done.get_loop().call_soon(_idle_probe, done, ready, left - 1)
+
+
+async def run_until_idle(*, fallback_yields: int = 64) -> None:
+    """Returns once every other task on the running loop is blocked: nothing is ready to run.
+
+    Use it in tests instead of loops of ``await asyncio.sleep(0)``: after it, every request you
+    started has gone as far as it can (queued, dispatched, waiting on the engine or on a clock).
+    No clock moves while it waits, an :class:`AutoClock` included; to let time pass, sleep on
+    the clock (``AutoClock``) or ``advance`` it (``FakeClock``). Work outside the loop (threads,
+    processes, sockets, real timers) is not waited for.
+
+    Args:
+        fallback_yields: On loops whose ready queue cannot be read (uvloop), yields that stand
+            for "idle" (enough for shallow await chains only).
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    loop.call_soon(_idle_probe, done, _ready_queue(loop), fallback_yields)
+    await done
+
+
+class AutoClock:
+    """Virtual time that moves by itself: when every task on the event loop is blocked, ``now``
+    jumps to the earliest pending :meth:`sleep` deadline and that sleeper wakes.
+
+    The simulator runs on it (``prefixgate.sim.SimClock`` is this class), and so can your tests:
+    pass one to :class:`~prefixgate.Gateway` and :class:`~prefixgate.testing.FakeEngine`
+    (``FakeEngine(clock=clock, output_time=1.0)``), and ``await clock.sleep(5)`` lets exactly
+    5 s of virtual time pass, every timer due on the way (queue timeouts, rate limits, engine
+    outputs) firing in order, with no ``advance`` calls and no ``sleep(0)`` spins. Sleepers due
+    at the same instant wake in the order they began sleeping, so a timer due exactly when your
+    sleep ends but set after it began fires just after your sleep returns.
+
+    Pending events are the deadlines of :meth:`sleep` calls. A driver task waits until the loop
+    is *quiescent* (no callback ready to run: every task is blocked on a future), then moves
+    ``now`` to the earliest deadline and wakes that one sleeper, and repeats; when nothing
+    sleeps it exits, and the next :meth:`sleep` restarts it.
+
+    Quiescence is read from the loop's ready queue (``loop._ready``, private but a plain deque
+    of ``Handle`` objects in CPython 3.11-3.13) by a probe callback that re-queues itself until
+    only probes (of this or another ``AutoClock`` on the same loop) are ready. On loops without
+    it (uvloop), the probe re-queues ``fallback_yields`` times instead, which is enough for
+    shallow await chains only. Work outside the loop (threads, subprocesses, sockets, real
+    timers) is not waited for: code under test must take all its time from this clock.
+
+    Invariants: ``now()`` never decreases; it changes only while the loop is quiescent (and no
+    :func:`run_until_idle` is waiting); sleepers wake in deadline order, ties in the order they
+    began sleeping, one at a time.
+
+    Args:
+        start: The initial time in seconds.
+        fallback_yields: Yields that stand for quiescence when the ready queue is unreadable.
+    """
+
+    def __init__(self, start: float = 0.0, *, fallback_yields: int = 16) -> None:
+        self._now = float(start)
+        self._events: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = 0
+        self._cancelled = 0
+        self._driver: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fallback_yields = fallback_yields
+        self.events_fired = 0
+
+    def now(self) -> float:
+        """The current virtual time in seconds."""
+        return self._now
+
+    async def sleep(self, seconds: float) -> None:
+        """Suspends the caller until virtual time reaches ``now() + seconds``.
+
+        ``sleep(0)`` is a barrier: it returns at the same virtual time, after every other task
+        has run until it blocks.
+        """
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new loop: events of the old one can never fire
+            self._loop, self._events, self._driver, self._cancelled = loop, [], None, 0
+        fut: asyncio.Future[None] = loop.create_future()
+        heapq.heappush(self._events, (self._now + max(0.0, seconds), self._seq, fut))
+        self._seq += 1
+        if self._driver is None:
+            self._driver = loop.create_task(self._drive(loop))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self._cancelled += 1
+            if self._cancelled > 1024 and self._cancelled * 2 > len(self._events):
+                self._events = [e for e in self._events if not e[2].done()]
+                heapq.heapify(self._events)
+                self._cancelled = 0
+            raise
+
+    async def _drive(self, loop: asyncio.AbstractEventLoop) -> None:
+        ready = _ready_queue(loop)
+        try:
+            while True:
+                quiescent: asyncio.Future[None] = loop.create_future()
+                loop.call_soon(_clock_probe, quiescent, ready, self._fallback_yields)
+                await quiescent
+                events = self._events
+                while events and events[0][2].done():  # cancelled sleepers: no time passes
+                    heapq.heappop(events)
+                if not events:
+                    return
+                when, _, fut = heapq.heappop(events)
+                if when > self._now:
+                    self._now = when
+                self.events_fired += 1
+                fut.set_result(None)
+        finally:
+            if self._driver is asyncio.current_task():
+                self._driver = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(now={self._now:.6f}, pending={len(self._events)})"

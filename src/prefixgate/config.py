@@ -8,7 +8,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .canonicalize import RULE_SETS, CanonicalizeConfig
-from .ordering import ORDERING_POLICIES, is_ordering_policy
+from .ordering import ORDERING_POLICIES, TENANT_ORDERS, is_ordering_policy
 
 __all__ = ["INGRESS_MODES", "GatewayConfig", "TenantLimits"]
 
@@ -97,6 +97,13 @@ class GatewayConfig:
         ordering: The waiting queue's policy: ``"prefix"`` (siblings together, the default),
             ``"fcfs"`` or ``"priority"``, or your own :class:`~prefixgate.OrderingPolicy` as a
             class (instantiated once per gateway) or an instance.
+        tenant_order: How tenants' queues are interleaved: ``"fair"`` (the default: the tenant
+            with the fewest requests in flight goes next, and the ordering applies within each
+            tenant) or ``"global"`` (the ordering's keys are compared across tenants: with
+            ``ordering="priority"``, priority 0 of any tenant goes before priority 5 of any
+            other, whoever arrived first). In-flight shares and the aging bound (over the
+            oldest request of all tenants) still apply. ``"global"`` needs a non-circular
+            ordering (not ``"prefix"``).
         max_queue_len: The most requests waiting; more are refused with ``QueueFull``.
         queue_timeout: Seconds a request may wait before ``QueueTimeout``; ``None``: no limit.
         max_wait_factor: Aging bound: a request that newer ones have overtaken and that has
@@ -135,6 +142,11 @@ class GatewayConfig:
             queue is non-empty) over the recent drain rate, scaled by how much longer than
             predicted recent requests really waited. Pair it with ``queue_timeout`` of the
             same value to bound the wait of admitted requests too.
+        admission_policy: Your rules for which requests may be queued, consulted before rate
+            limits and the queue: a :class:`~prefixgate.AdmissionPolicy` instance (its state is
+            shared by the gateways that share it) or class (instantiated once per gateway),
+            such as :class:`~prefixgate.TokenBudget`; a refusal raises ``AdmissionRefused``
+            before any engine call. ``None`` (the default): none.
     """
 
     canonicalize: CanonicalizeConfig | str = field(default_factory=CanonicalizeConfig)
@@ -149,6 +161,7 @@ class GatewayConfig:
     ingress_max_pending: int = 4096
     ingress_bulk_chars: int = 262_144
     ordering: Any = "prefix"
+    tenant_order: str = "fair"
     max_queue_len: int = 10_000
     queue_timeout: float | None = None
     max_wait_factor: float = 2.0
@@ -164,6 +177,7 @@ class GatewayConfig:
     stats_max_age: float = 2.0
     stall_timeout: float | None = 60.0
     max_queue_wait: float | None = None
+    admission_policy: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.canonicalize, str):
@@ -206,3 +220,16 @@ class GatewayConfig:
         _check("ordering", self.ordering in ORDERING_POLICIES if isinstance(self.ordering, str)
                else is_ordering_policy(self.ordering), self.ordering,
                f"one of {sorted(ORDERING_POLICIES)} or an OrderingPolicy (class or instance)")
+        from .policies import is_admission_policy
+
+        _check("admission_policy", self.admission_policy is None
+               or is_admission_policy(self.admission_policy), self.admission_policy,
+               "None or an AdmissionPolicy (class or instance) with check(ticket, now) and "
+               "release(ticket, usage, now) methods")
+        _check("tenant_order", self.tenant_order in TENANT_ORDERS, self.tenant_order,
+               f"one of {TENANT_ORDERS}")
+        if self.tenant_order == "global":
+            circular = (ORDERING_POLICIES[self.ordering]().circular if isinstance(self.ordering, str)
+                        else self.ordering.circular)
+            _check("ordering", not circular, self.ordering,
+                   "a non-circular ordering (such as 'priority' or 'fcfs') with tenant_order='global'")

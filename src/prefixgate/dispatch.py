@@ -37,6 +37,7 @@ from .errors import (
     ShuttingDown,
 )
 from .ingress import IngressRequest
+from .policies import AdmissionGate
 from .queueing import Scheduler
 from .ratelimit import RateLimiter, TenantThrottles
 from .replica import Replica
@@ -65,6 +66,8 @@ class Dispatcher:
         clock: The gateway's clock.
         stats: The gateway's counters.
         prepare: Prepares a request off the event loop (or inline) into its ticket.
+        gate: Runs the configured ``AdmissionPolicy``, if any: consulted before rate limits and
+            the queue, told of every ticket it admitted once that ticket ends.
 
     Attributes:
         live: Request ids of streams not yet ended, with their ticket once prepared.
@@ -73,13 +76,15 @@ class Dispatcher:
     """
 
     def __init__(self, replica: Replica, scheduler: Scheduler, *, config: GatewayConfig, clock: Clock,
-                 stats: StatsRecorder, prepare: Callable[[IngressRequest], Awaitable[Ticket]]) -> None:
+                 stats: StatsRecorder, prepare: Callable[[IngressRequest], Awaitable[Ticket]],
+                 gate: AdmissionGate | None = None) -> None:
         self.replica = replica
         self.scheduler = scheduler
         self.config = config
         self.clock = clock
         self.stats = stats
         self._prepare = prepare
+        self.gate = gate
         self.live: dict[str, Ticket | None] = {}
         self.closing = False
         self.throttles = TenantThrottles(config.tenants, config.default_tenant_limits, clock)
@@ -162,9 +167,12 @@ class Dispatcher:
                              retry_after=wait - bound, reason=Reason.PREDICTED_WAIT)
 
     async def admit(self, ticket: Ticket) -> None:
-        """Rate-limits, load-checks and queues ``ticket`` (the blocking path)."""
+        """Consults the admission policy, rate-limits, load-checks and queues ``ticket`` (the
+        blocking path)."""
         try:
             self.check_open()
+            if self.gate is not None:
+                self.gate.check(ticket)
             throttle = self.throttles.get(ticket.tenant)
             if throttle is not None and not throttle.try_acquire():
                 if self.throttles.limits(ticket.tenant).on_limit == "refuse":
@@ -184,7 +192,11 @@ class Dispatcher:
                 self.scheduler.enqueue(ticket)
         except (Rejected, ShuttingDown, EngineDead, QueueTimeout) as e:
             self.stats.refuse(e.outcome, getattr(e, "reason", None))
+            ticket.end(e.outcome)
             raise
+        finally:
+            if self.gate is not None and ticket.state is TicketState.NEW:
+                self.gate.release(ticket)  # refused or cancelled after the policy admitted it
         self.stats.accept(ticket)
 
     def dispatch_now(self, ticket: Ticket) -> None:
@@ -194,13 +206,25 @@ class Dispatcher:
         Raises:
             Overloaded: It does not fit now, or requests already wait.
             RateLimited: Its tenant's rate is used up.
+            AdmissionRefused: The admission policy refused it.
         """
+        try:
+            self._dispatch_now(ticket)
+        except PrefixgateError as e:
+            if self.gate is not None:
+                ticket.end(e.outcome)
+                self.gate.release(ticket)  # admitted by the policy, refused after it
+            raise
+
+    def _dispatch_now(self, ticket: Ticket) -> None:
         if self.scheduler.num_waiting:
             raise self.overloaded(Reason.QUEUED_AHEAD)
         throttle = self.throttles.get(ticket.tenant)
         if throttle is not None and throttle.retry_after() > 0:
             raise RateLimited(f"tenant {ticket.tenant!r} is over its request rate",
                               retry_after=throttle.retry_after(), reason=Reason.RATE_LIMITED)
+        if self.gate is not None:
+            self.gate.check(ticket)
         self.scheduler.enqueue(ticket)
         self._pump_now()
         if ticket.state is not TicketState.RUNNING:
@@ -435,6 +459,8 @@ class Dispatcher:
         scheduler = self.scheduler
         scheduler.finish(ticket)
         self.stats.end(ticket)
+        if self.gate is not None:
+            self.gate.release(ticket)
         if not scheduler.running:
             self._idle.set()
             self.replica.idle()
@@ -450,6 +476,8 @@ class Dispatcher:
             ticket.end(Outcome.CANCELLED)
             with contextlib.suppress(RuntimeError):  # no running loop (interpreter teardown)
                 self.release(ticket)
+        elif ticket is not None and self.gate is not None:
+            self.gate.release(ticket)  # failed while unread (aclose, a dead engine)
         self.live.pop(stream.request.request_id, None)
 
     def _on_complete(self, ticket: Ticket, done: Completion) -> None:

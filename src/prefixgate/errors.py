@@ -3,7 +3,9 @@
 Three families, by what the caller should do next:
 
 * :class:`Rejected`: the request was never queued. Fix it (``InvalidRequest``,
-  ``PromptTooLong``) or retry later (``QueueFull``, ``Overloaded`` carry ``retry_after``).
+  ``PromptTooLong``) or retry later (``QueueFull``, ``Overloaded``, ``RateLimited``,
+  ``AdmissionRefused`` carry ``retry_after``); ``AdmissionPolicyFailed`` is a bug in the
+  configured admission policy.
 * :class:`Evicted`: the request was queued but left before the engine saw it
   (``QueueTimeout``, ``ShuttingDown``). Retrying is safe: no tokens were produced.
 * :class:`EngineError`: the engine failed while serving it; ``__cause__`` holds the engine's
@@ -29,6 +31,8 @@ class Outcome(enum.Enum):
     QUEUE_FULL = "queue_full"
     OVERLOADED = "overloaded"
     RATE_LIMITED = "rate_limited"
+    ADMISSION_REFUSED = "admission_refused"
+    POLICY_FAILED = "policy_failed"
     QUEUE_TIMEOUT = "queue_timeout"
     SHUTTING_DOWN = "shutting_down"
     ENGINE_ERROR = "engine_error"
@@ -149,6 +153,21 @@ class RateLimited(RetryableRejection):
     """Raised by the non-blocking submit path when the tenant's request rate is exhausted."""
 
     outcome = Outcome.RATE_LIMITED
+
+
+class AdmissionRefused(RetryableRejection):
+    """Raised when the configured ``AdmissionPolicy`` refused the request (a tenant's token
+    budget is spent, say): ``reason`` is the policy's own, ``retry_after`` its estimate."""
+
+    outcome = Outcome.ADMISSION_REFUSED
+
+
+class AdmissionPolicyFailed(Rejected):
+    """Raised when the configured ``AdmissionPolicy`` failed on the request: its ``check``
+    raised (that exception is ``__cause__``) or answered something other than ``None`` or a
+    ``Refusal``. The request was not queued; other requests are unaffected. Fix the policy."""
+
+    outcome = Outcome.POLICY_FAILED
 
 
 class Evicted(PrefixgateError):

@@ -36,6 +36,7 @@ from .errors import InvalidRequest, PrefixgateError, UsageError
 from .ingress import Ingress, IngressRequest, Prompt
 from .ingress_pool import IngressPool, IngressPoolError, ProcessIngressPool, ThreadIngressPool
 from .ordering import make_policy
+from .policies import AdmissionGate, make_admission_policy
 from .queueing import Scheduler
 from .replica import Replica
 from .statistics import GatewayStatistics, StatsRecorder
@@ -88,10 +89,12 @@ class Gateway:
             clock=self.clock, max_queue_len=config.max_queue_len, max_in_flight=max_in_flight,
             max_wait_factor=config.max_wait_factor, min_aging_wait=config.min_aging_wait,
             tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits,
-            share_base=replica.slots)
+            share_base=replica.slots, tenant_order=config.tenant_order)
         self._stats = StatsRecorder()
+        gate = (None if config.admission_policy is None  # the AdmissionPolicy, if any
+                else AdmissionGate(make_admission_policy(config.admission_policy), self.clock))
         self._dispatch = Dispatcher(replica, self._scheduler, config=config, clock=self.clock,
-                                    stats=self._stats, prepare=self._prepare)
+                                    stats=self._stats, prepare=self._prepare, gate=gate)
         self._live = self._dispatch.live  # request ids of streams not yet ended
         # What every stream is handed: bound once here, not once per request.
         self._serve, self._forget = self._dispatch.serve, self._dispatch.forget
@@ -255,7 +258,8 @@ class Gateway:
 
     def can_admit(self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
                   lora_request: Any = None) -> bool:
-        """Whether :meth:`try_generate` with these arguments would be dispatched now. Pure."""
+        """Whether :meth:`try_generate` with these arguments would be dispatched now. Pure: the
+        admission policy is not consulted (its ``check`` may charge a budget)."""
         try:
             ticket = self._ingress.make_ticket(prompt, sampling_params, tenant=tenant,
                                                lora_request=lora_request, request_id="can-admit")

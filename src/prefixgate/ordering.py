@@ -13,12 +13,13 @@ from typing import Any, Protocol
 
 from .tickets import Ticket
 
-__all__ = ["ORDERING_POLICIES", "Fcfs", "OrderingPolicy", "PrefixOrder", "PriorityOrder",
+__all__ = ["ORDERING_POLICIES", "TENANT_ORDERS", "Fcfs", "OrderingPolicy", "PrefixOrder", "PriorityOrder",
            "is_ordering_policy", "make_policy"]
 
 
 class OrderingPolicy(Protocol):
-    """Orders one tenant's waiting queue: the smallest key goes first.
+    """Orders one tenant's waiting queue (all tenants' with ``tenant_order="global"``): the
+    smallest key goes first.
 
     Pass an instance, a class (instantiated once per gateway) or the name of a built-in as
     ``GatewayConfig(ordering=...)``. Keys are computed once, at enqueue time, so a policy must
@@ -74,6 +75,11 @@ ORDERING_POLICIES: dict[str, Callable[[], OrderingPolicy]] = {
     "priority": PriorityOrder,
     "prefix": PrefixOrder,
 }
+
+
+TENANT_ORDERS = ("fair", "global")
+"""How tenants' queues are interleaved: ``"fair"`` (fewest in flight first, the default) or
+``"global"`` (the ordering policy's keys compared across tenants)."""
 
 
 def is_ordering_policy(value: object) -> bool:

@@ -14,7 +14,16 @@ How a ticket is chosen, in order:
    tenant at its share waits while another tenant has requests in flight (dispatch stops with
    ``tenant_share``); with nobody else busy it may use more (work-conserving). The share is of
    the engine's ``max_num_seqs``.
-2. **Aging.** If the tenant's oldest waiting ticket has been overtaken (a ticket that arrived
+
+   With ``tenant_order="global"`` the policy's order holds across tenants instead: the tenant
+   whose smallest key is the smallest of all goes next (the same sorted index, ranked by each
+   tenant's smallest key), so ``priority`` serves a gold tenant's priority-0 requests before a
+   free tenant's priority-5 ones that arrived earlier. In-flight shares still apply; aging
+   (step 2) looks at the oldest ticket of *all* tenants; a circular policy is refused (its walk
+   is per tenant): use a non-circular one (a key of ``(priority, block_hashes, seq)`` still
+   keeps siblings adjacent).
+2. **Aging.** If the tenant's oldest waiting ticket (under ``"global"``: the oldest of all, if
+   its tenant is under its share) has been overtaken (a ticket that arrived
    more than ``min_aging_wait`` after it was dispatched) and has waited more than
    ``max_wait_factor`` × the median wait of recently dispatched tickets *that waited* (at least
    ``min_aging_wait``; before any did, ``max_wait_factor`` × ``min_aging_wait``), it goes first,
@@ -48,6 +57,7 @@ from .errors import Outcome, QueueFull, Reason
 from .mirror import PrefixMirror
 from .ordering import (
     ORDERING_POLICIES,
+    TENANT_ORDERS,
     Fcfs,
     OrderingPolicy,
     PrefixOrder,
@@ -58,6 +68,7 @@ from .tickets import Ticket, TicketState
 
 __all__ = [
     "ORDERING_POLICIES",
+    "TENANT_ORDERS",
     "Dispatch",
     "Fcfs",
     "OrderingPolicy",
@@ -165,7 +176,7 @@ class _Tenant:
         self.served = -1  # serial of its last dispatch
         self.last_key: Any = None
         self.last_hashes: tuple[Any, ...] = ()
-        self.entry: tuple[int, int, int] | None = None  # its place in the ranking, if eligible
+        self.entry: tuple[Any, ...] | None = None  # its place in the ranking, if eligible
 
 
 class Scheduler:
@@ -191,15 +202,26 @@ class Scheduler:
         default_limits: Limits of tenants not in ``tenant_limits``.
         share_base: What ``max_in_flight_share`` is a share of: the engine's ``max_num_seqs``
             (the requests it really runs at once); ``None`` for ``max_in_flight``.
+        tenant_order: ``"fair"`` or ``"global"`` (see :data:`TENANT_ORDERS`).
+
+    Raises:
+        ValueError: If ``tenant_order`` is unknown, or ``"global"`` with a circular policy.
     """
 
     def __init__(self, policy: OrderingPolicy, *, admission: Admission, mirror: PrefixMirror,
                  clock: Clock, max_queue_len: int, max_in_flight: int | None,
                  max_wait_factor: float, min_aging_wait: float,
                  tenant_limits: dict[str, TenantLimits], default_limits: TenantLimits,
-                 share_base: int | None = None) -> None:
+                 share_base: int | None = None, tenant_order: str = "fair") -> None:
+        if tenant_order not in TENANT_ORDERS:
+            raise ValueError(f"unknown tenant_order {tenant_order!r}; one of {TENANT_ORDERS}")
+        if tenant_order == "global" and policy.circular:
+            raise ValueError(f"tenant_order='global' needs a non-circular ordering, not "
+                             f"{type(policy).__name__}")
         self.policy = policy
         self.circular = policy.circular
+        self.global_order = tenant_order == "global"
+        self._arrivals: deque[Ticket] = deque()  # under "global": every waiting ticket, by age
         self.outside = 0  # requests the gateway holds as queued outside this queue (rate waits)
         self.admission = admission
         self.mirror = mirror
@@ -215,7 +237,9 @@ class Scheduler:
         self.tenants: dict[str | None, _Tenant] = {}
         self._tids = itertools.count()
         self._by_tid: dict[int, _Tenant] = {}
-        self._rank: SortedList = SortedList()  # (running, served, tid) of tenants that may go
+        # Tenants that may go, best first: (running, served, tid), or (smallest key, tid) when
+        # the order is global.
+        self._rank: SortedList = SortedList()
         self._queued_tenants = 0
         self._spare: list[WaitingQueue] = []  # emptied queues, reused (creating one costs µs)
         self._waiting = 0
@@ -280,7 +304,10 @@ class Scheduler:
         cap = self._cap(state.name) if self._shares else None
         if cap is not None and state.running >= cap:
             return  # at its share
-        state.entry = (state.running, state.served, state.tid)
+        if self.global_order:
+            state.entry = (state.queue.first().queue_key, state.tid)
+        else:
+            state.entry = (state.running, state.served, state.tid)
         self._rank.add(state.entry)
 
     def enqueue(self, ticket: Ticket) -> None:
@@ -303,6 +330,10 @@ class Scheduler:
             self._rerank(state)
         else:
             queue.add(ticket)
+            if self.global_order and queue.first() is ticket:
+                self._rerank(state)  # its smallest key changed
+        if self.global_order:
+            self._arrivals.append(ticket)
         self._waiting += 1
 
     def finish(self, ticket: Ticket) -> None:
@@ -329,8 +360,13 @@ class Scheduler:
         state = self.tenants[ticket.tenant]
         queue = state.queue
         assert queue is not None
+        head = self.global_order and queue.first() is ticket
         queue.remove(ticket)
         self._waiting -= 1
+        if self.global_order:
+            self._forget_arrival(ticket)
+        if head and queue:
+            self._rerank(state)  # its smallest key changed
         if not queue:
             state.queue = None
             self._queued_tenants -= 1
@@ -340,6 +376,22 @@ class Scheduler:
             queue._arrivals.clear()
             if len(self._spare) < 16:
                 self._spare.append(queue)
+
+    def _forget_arrival(self, ticket: Ticket) -> None:
+        """Drops ``ticket`` (leaving the queue now) from the global arrival order, lazily."""
+        arrivals = self._arrivals
+        if arrivals and arrivals[0] is ticket:
+            arrivals.popleft()
+        elif len(arrivals) > 2 * self._waiting + 16:  # drop what left out of order
+            self._arrivals = deque(t for t in arrivals if t.state is TicketState.QUEUED
+                                   and t is not ticket)
+
+    def _oldest(self) -> Ticket:
+        """The ticket that has waited longest, over all tenants (``"global"`` order only)."""
+        arrivals = self._arrivals
+        while arrivals[0].state is not TicketState.QUEUED:
+            arrivals.popleft()
+        return arrivals[0]
 
     def median_wait(self) -> float | None:
         """Median queue wait of recently dispatched tickets that waited (at least
@@ -364,8 +416,8 @@ class Scheduler:
 
     # -- decisions --------------------------------------------------------------------------
 
-    def _aged(self, now: float, queue: WaitingQueue) -> Ticket | None:
-        oldest = queue.oldest()
+    def _aged(self, now: float, oldest: Ticket) -> Ticket | None:
+        """``oldest`` if the aging bound says it must go now, else ``None``."""
         if self.newest_dispatched_arrival - oldest.arrival <= self.min_aging_wait:
             return None  # nothing newer has gone ahead of it
         median = self.median_wait()
@@ -376,11 +428,13 @@ class Scheduler:
         """The tenant to serve next, or ``None`` when every waiting tenant is at its in-flight
         share while another tenant has requests in flight."""
         if self._rank:
-            return self._by_tid[self._rank[0][2]]
+            return self._by_tid[self._rank[0][-1]]
         waiting = [t for t in self.tenants.values() if t.queue is not None]
         if sum(t.running for t in waiting) < len(self.running):
             return None  # others are being served: the shares hold
         # Nobody else has work here: work-conserving, the share does not idle the engine.
+        if self.global_order:
+            return min(waiting, key=lambda t: (t.queue.first().queue_key, t.tid))  # type: ignore[union-attr]
         return min(waiting, key=lambda t: (t.running, t.served))
 
     def _rider(self, state: _Tenant, queue: WaitingQueue) -> Ticket | None:
@@ -427,9 +481,14 @@ class Scheduler:
             return None
         queue = state.queue
         assert queue is not None
+        if self.global_order:  # aging over all tenants; the policy's smallest key otherwise
+            oldest = self._oldest()
+            owner = self.tenants[oldest.tenant]
+            aged = self._aged(now, oldest) if owner is state or owner.entry is not None else None
+            return (aged, True) if aged is not None else (queue.first(), False)
         if len(queue) == 1:  # no choice to make
             return queue.first(), False
-        aged = self._aged(now, queue)
+        aged = self._aged(now, queue.oldest())
         if aged is not None:
             return aged, True
         rider = self._rider(state, queue)

@@ -37,7 +37,8 @@ class GatewayStatistics:
 
     Attributes:
         requests: Requests accepted at ingress and queued.
-        refused: Requests refused at ingress (never queued), by outcome name.
+        refused: Requests refused at ingress (never queued), by outcome name
+            (``admission_refused`` and ``policy_failed`` for the admission policy's).
         outcomes: Accepted requests that ended, by outcome name (``completed``, ``cancelled``…).
         canonicalized: Accepted requests whose prompt canonicalization changed.
         chars_removed: Characters removed by canonicalization, summed.
@@ -49,8 +50,8 @@ class GatewayStatistics:
         predicted_hit_tokens: Cache-hit tokens the gateway predicted for completed requests.
         engine_cached_tokens: Cache-hit tokens the engine reported for completed requests.
         kv: The engine's latest KV state, or ``None``.
-        rejected_reasons: Refusals with a reason (``Overloaded``/``QueueFull``/``RateLimited``),
-            by reason.
+        rejected_reasons: Refusals with a reason (``Overloaded``/``QueueFull``/``RateLimited``,
+            and ``AdmissionRefused`` by its policy's reason), by reason.
         reserved_blocks: KV blocks reserved by running requests now.
         median_wait: Median queue wait of recently dispatched requests (seconds), or ``None``.
         aged_dispatches: Dispatches forced by the aging bound.

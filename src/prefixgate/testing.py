@@ -1,8 +1,22 @@
-"""Fakes for testing code that uses prefixgate: a byte tokenizer, a fake engine, a fake clock.
+"""Fakes for testing code that uses prefixgate: a byte tokenizer, a fake engine, clocks, and
+:func:`run_until_idle`.
 
 :class:`FakeEngine` implements :class:`~prefixgate.engine.Engine` with a toy prefix cache (no
 eviction, no scheduler) and hooks for fault injection. It is for unit tests of *your* code; the
 faithful simulator of vLLM is :class:`prefixgate.sim.SimEngine`.
+
+Tests need no hand-written ``await asyncio.sleep(0)`` spins: ``await run_until_idle()`` returns
+once everything started has gone as far as it can, and with an :class:`AutoClock`, ``await
+clock.sleep(seconds)`` lets that much virtual time pass, every timer due on the way firing in
+order::
+
+    clock = AutoClock()
+    engine = FakeEngine(clock=clock, output_time=1.0)      # one output per virtual second
+    async with Gateway(engine, GatewayConfig(max_in_flight=1), clock=clock) as gw:
+        tasks = [asyncio.create_task(consume(gw.generate(p, FakeSamplingParams(2)))) for p in ps]
+        await run_until_idle()                            # all queued, the first dispatched
+        assert gw.statistics().running == 1
+        await clock.sleep(2.5)                            # the first finished at t=2
 """
 
 from __future__ import annotations
@@ -13,12 +27,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .clock import Clock, FakeClock
+from .clock import AutoClock, Clock, FakeClock, run_until_idle
 from .engine import EngineRequest, KvStats, SamplingCheck, check_max_tokens, read_completion
 from .errors import EngineDead, EngineError, InvalidRequest
 
-__all__ = ["ByteTokenizer", "FakeClock", "FakeCompletion", "FakeEngine", "FakeOutput",
-           "FakeSamplingParams", "NullEngine"]
+__all__ = ["AutoClock", "ByteTokenizer", "FakeClock", "FakeCompletion", "FakeEngine", "FakeOutput",
+           "FakeSamplingParams", "NullEngine", "run_until_idle"]
 
 
 class ByteTokenizer:

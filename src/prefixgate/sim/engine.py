@@ -15,12 +15,11 @@ and the same inputs always give the same outputs at the same virtual times.
 from __future__ import annotations
 
 import asyncio
-import heapq
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..clock import AutoClock
 from ..engine import (
     EngineRequest,
     KvStats,
@@ -92,113 +91,8 @@ class StepTimeModel:
                             plan.prefill_context, plan.new_requests, plan.new_prompt_tokens)
 
 
-class SimClock:
-    """Virtual time for a discrete-event simulation run by an asyncio event loop.
-
-    Pending events are the deadlines of :meth:`sleep` calls (the engine's steps sleep too). A
-    driver task waits until the loop is *quiescent* (no callback ready to run: every task is
-    blocked on a future), then moves ``now`` to the earliest deadline and wakes that one
-    sleeper, and repeats; when nothing sleeps it exits, and the next :meth:`sleep` restarts it.
-
-    Quiescence is read from the loop's ready queue (``loop._ready``, private but a plain deque
-    of ``Handle`` objects in CPython 3.11-3.13) by a probe callback that re-queues itself until
-    only probes (of this or another ``SimClock`` on the same loop) are ready. On loops without
-    it (uvloop), the probe re-queues ``fallback_yields`` times instead, which is enough for
-    shallow await chains only. Work outside the loop (threads, subprocesses, sockets, real
-    timers) is not waited for: code under simulation must take all its time from this clock.
-
-    Invariants: ``now()`` never decreases; it changes only while the loop is quiescent; sleepers
-    wake in deadline order, ties in the order they began sleeping, one at a time.
-
-    Args:
-        start: The initial time in seconds.
-        fallback_yields: Yields that stand for quiescence when the ready queue is unreadable.
-    """
-
-    def __init__(self, start: float = 0.0, *, fallback_yields: int = 16) -> None:
-        self._now = float(start)
-        self._events: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._seq = 0
-        self._cancelled = 0
-        self._driver: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._fallback_yields = fallback_yields
-        self.events_fired = 0
-
-    def now(self) -> float:
-        """The current virtual time in seconds."""
-        return self._now
-
-    async def sleep(self, seconds: float) -> None:
-        """Suspends the caller until virtual time reaches ``now() + seconds``.
-
-        ``sleep(0)`` is a barrier: it returns at the same virtual time, after every other task
-        has run until it blocks.
-        """
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # a new loop: events of the old one can never fire
-            self._loop, self._events, self._driver, self._cancelled = loop, [], None, 0
-        fut: asyncio.Future[None] = loop.create_future()
-        heapq.heappush(self._events, (self._now + max(0.0, seconds), self._seq, fut))
-        self._seq += 1
-        if self._driver is None:
-            self._driver = loop.create_task(self._drive(loop))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            self._cancelled += 1
-            if self._cancelled > 1024 and self._cancelled * 2 > len(self._events):
-                self._events = [e for e in self._events if not e[2].done()]
-                heapq.heapify(self._events)
-                self._cancelled = 0
-            raise
-
-    def _probe(self, done: asyncio.Future[None], ready: deque[Any] | None, left: int) -> None:
-        """A callback that re-queues itself until nothing but probes is ready, then sets ``done``.
-
-        Being a plain callback, not a task step, it lets the probes of several clocks sharing
-        one loop recognise each other instead of each seeing the other as pending work.
-        """
-        if done.done():
-            return
-        if ready is not None:
-            for handle in ready:
-                if getattr(getattr(handle, "_callback", None), "__func__", None) is not SimClock._probe \
-                        and not handle.cancelled():
-                    break
-            else:
-                done.set_result(None)
-                return
-        elif left <= 0:  # pragma: no cover - non-CPython event loops
-            done.set_result(None)
-            return
-        done.get_loop().call_soon(self._probe, done, ready, left - 1)
-
-    async def _drive(self, loop: asyncio.AbstractEventLoop) -> None:
-        ready = getattr(loop, "_ready", None)
-        if not isinstance(ready, deque):  # pragma: no cover - non-CPython event loops
-            ready = None
-        try:
-            while True:
-                quiescent: asyncio.Future[None] = loop.create_future()
-                loop.call_soon(self._probe, quiescent, ready, self._fallback_yields)
-                await quiescent
-                events = self._events
-                while events and events[0][2].done():  # cancelled sleepers: no time passes
-                    heapq.heappop(events)
-                if not events:
-                    return
-                when, _, fut = heapq.heappop(events)
-                if when > self._now:
-                    self._now = when
-                self.events_fired += 1
-                fut.set_result(None)
-        finally:
-            if self._driver is asyncio.current_task():
-                self._driver = None
-
-    def __repr__(self) -> str:
-        return f"SimClock(now={self._now:.6f}, pending={len(self._events)})"
+SimClock = AutoClock
+"""The simulator's virtual clock: :class:`prefixgate.AutoClock` under its old name."""
 
 
 class _Stream:
@@ -247,7 +141,7 @@ class SimEngine:
         tokenizer: Returned by :attr:`tokenizer`; a :class:`~prefixgate.testing.ByteTokenizer`
             when ``None``.
         model_name: The served model's name.
-        clock: The virtual clock; a new :class:`SimClock` when ``None``.
+        clock: The virtual clock; a new :class:`~prefixgate.AutoClock` when ``None``.
         on_step: Called after each step with its start time, its duration and its
             :class:`~prefixgate.sim.scheduler.StepPlan` (for instrumentation).
 
@@ -260,7 +154,7 @@ class SimEngine:
                  max_num_batched_tokens: int = 8192, max_model_len: int = 32768,
                  enable_caching: bool = True, step_time: StepTimeModel | None = None,
                  tokenizer: Tokenizer | None = None, model_name: str = "sim",
-                 clock: SimClock | None = None,
+                 clock: AutoClock | None = None,
                  on_step: Callable[[float, float, StepPlan], None] | None = None) -> None:
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
                             ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),

