@@ -158,8 +158,8 @@ def read_completion(output: Any, sampling_params: Any) -> Completion | None:
         kind = getattr(sampling_params, "output_kind", None)
         if getattr(kind, "name", None) != "DELTA":
             token_ids = completions[0].token_ids
-    # _make is tuple.__new__: no Python-level __new__ call for this once-per-request value.
-    return Completion._make((aborted, getattr(output, "num_cached_tokens", None), token_ids))
+    # tuple.__new__ itself: a NamedTuple's own __new__ is a Python function, called per request.
+    return tuple.__new__(Completion, (aborted, getattr(output, "num_cached_tokens", None), token_ids))
 
 
 @runtime_checkable
