@@ -18,8 +18,8 @@ import itertools
 import os
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import xxhash
@@ -27,16 +27,37 @@ import xxhash
 from .canonicalize import CanonicalizeConfig, RuleCount, canonicalize_messages, canonicalize_text
 from .clock import Clock
 from .config import GatewayConfig
-from .engine import Engine, SamplingCheck
+from .engine import Engine, Media, SamplingCheck
 from .errors import InvalidRequest, PromptTooLong
-from .keys import BlockHash, ChainCache, Namespace, cacheable_blocks, common_prefix, pack_tokens
+from .keys import (
+    BlockHash,
+    ChainCache,
+    Namespace,
+    cacheable_blocks,
+    common_prefix,
+    media_extras,
+    media_positions,
+    pack_tokens,
+)
 from .tickets import Ticket
 
 __all__ = ["Ingress", "IngressRequest", "Prepared", "Prompt", "fast_encoder", "prepare"]
 
 Prompt = str | bytes | Sequence[Mapping[str, Any]] | Mapping[str, Any] | Sequence[int]
 """A plain prompt (``str``, or UTF-8 ``bytes``), a list of chat messages, or token ids (a list of
-ints, or vLLM's ``TokensPrompt`` mapping ``{"prompt_token_ids": [...]}``)."""
+ints, or vLLM's ``TokensPrompt`` mapping ``{"prompt_token_ids": [...]}``).
+
+A chat message's ``content`` is a string or a list of OpenAI-style parts: text
+(``{"type": "text", "text": ...}``) and media, by URL (``{"type": "image_url", "image_url":
+{"url": ...}}``, ``audio_url``, ``video_url``; ``http(s)://`` or ``data:``) or as encoded bytes
+(``{"type": "image", "image": b"..."}``, ``audio``, ``video``)."""
+
+_MEDIA = ("image", "audio", "video")
+_MAX_MEDIA = 256  # media items per request: each costs one more template rendering at the call
+# What the gateway itself passes to apply_chat_template: not the caller's to set. vLLM refuses
+# chat_template and tokenize among chat_template_kwargs; the others would change what we render.
+_RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "chat_template", "tokenize",
+                              "add_generation_prompt", "return_dict"})
 
 # A prompt this many characters per allowed token is refused before tokenizing it: no real
 # tokenizer averages that many characters per token, and tokenizing megabytes costs seconds.
@@ -78,6 +99,8 @@ class IngressRequest:
         canonicalized: For chat messages: whether canonicalizing their contents changed them.
         chars_removed: For chat messages: characters canonicalization removed.
         rules: For chat messages: what each canonicalization rule changed.
+        media: For multimodal chat messages: the media items in prompt order (no positions yet).
+        media_chars: Where each media item sits in ``text``, in characters.
     """
 
     request_id: str
@@ -97,6 +120,8 @@ class IngressRequest:
     canonicalized: bool = False
     chars_removed: int = 0
     rules: Mapping[str, RuleCount] = field(default_factory=dict)
+    media: tuple[Media, ...] = ()
+    media_chars: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -114,6 +139,7 @@ class Prepared:
         canonicalized: Whether canonicalization changed the prompt.
         chars_removed: Characters canonicalization removed.
         rules: What each canonicalization rule changed (rules that changed nothing absent).
+        media_positions: The token position of each of the request's media items.
     """
 
     token_ids: Sequence[int]
@@ -121,6 +147,7 @@ class Prepared:
     canonicalized: bool = False
     chars_removed: int = 0
     rules: Mapping[str, RuleCount] = field(default_factory=dict)
+    media_positions: tuple[int, ...] = ()
 
 
 def prepare(request: IngressRequest, *, encode: Encode, chains: ChainCache,
@@ -149,8 +176,18 @@ def prepare(request: IngressRequest, *, encode: Encode, chains: ChainCache,
         data = pack_tokens(ids)
     except ValueError as e:
         raise InvalidRequest(f"invalid token ids: {e}") from None
-    chain = chains.chain(data, request.root)
-    return Prepared(ids, chain, canon_changed, removed, rules)
+    if not request.media:
+        return Prepared(ids, chains.chain(data, request.root), canon_changed, removed, rules)
+    assert request.text is not None
+    try:
+        positions = media_positions(request.text, ids, request.media_chars, encode,
+                                    request.add_special_tokens)
+    except Exception as e:
+        raise InvalidRequest(f"could not tokenize the prompt: {type(e).__name__}: {e}") from e
+    extras = media_extras([(p, m.identifier) for p, m in zip(positions, request.media, strict=True)],
+                          chains.block_size)
+    return Prepared(ids, chains.chain(data, request.root, extras), canon_changed, removed, rules,
+                    positions)
 
 
 def fast_encoder(tokenizer: Any) -> Encode | None:
@@ -194,6 +231,104 @@ def _check_utf8(text: str, what: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidRequest(f"{what} is not valid Unicode text (lone surrogate at {e.start})") from None
+
+
+def _check_template_args(
+    tools: Any, kwargs: Any,
+) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None]:
+    """``tools`` as a list of dicts and ``kwargs`` as a dict (shallow copies), or ``InvalidRequest``."""
+    if tools is not None:
+        if not isinstance(tools, Sequence) or isinstance(tools, str | bytes | bytearray):
+            raise InvalidRequest(f"tools must be a list of mappings, got {type(tools).__name__}")
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, Mapping):
+                raise InvalidRequest(f"tool {i} must be a mapping, got {type(tool).__name__}")
+        tools = [dict(tool) for tool in tools]
+    if kwargs is not None:
+        if not isinstance(kwargs, Mapping):
+            raise InvalidRequest("chat_template_kwargs must be a mapping, got "
+                                 f"{type(kwargs).__name__}")
+        for key in kwargs:
+            if not isinstance(key, str) or not key.isidentifier():
+                raise InvalidRequest(f"chat_template_kwargs keys must be identifiers, got {key!r}")
+            if key in _RESERVED_KWARGS:
+                what = "pass tools=" if key == "tools" else "the gateway sets it"
+                raise InvalidRequest(f"chat_template_kwargs may not set {key!r} ({what})")
+        kwargs = dict(kwargs)
+    return tools, kwargs
+
+
+def _media_of(part: Mapping[str, Any], what: str) -> tuple[str, str | bytes] | None:
+    """``(modality, URL or bytes)`` of a media content part, ``None`` for a text part.
+
+    Raises:
+        InvalidRequest: A media part without its URL or bytes, or a part of an unknown type.
+    """
+    kind = part.get("type")
+    if kind is None or kind == "text":
+        return None
+    if not isinstance(kind, str):
+        raise InvalidRequest(f"{what}: 'type' must be a string")
+    if kind.endswith("_url") and kind[:-4] in _MEDIA:
+        value = part.get(kind)
+        url = value.get("url") if isinstance(value, Mapping) else value
+        if not isinstance(url, str) or not url:
+            raise InvalidRequest(f"{what}: {kind!r} needs a non-empty 'url'")
+        _check_utf8(url, what)
+        return kind[:-4], url
+    if kind in _MEDIA:
+        data = part.get(kind)
+        if not isinstance(data, bytes | bytearray | memoryview) or not len(data):
+            raise InvalidRequest(f"{what}: {kind!r} needs the encoded {kind} as non-empty bytes")
+        return kind, bytes(data)
+    raise InvalidRequest(f"{what}: unsupported content part type {kind!r} (text, "
+                         f"{', '.join(m + '_url' for m in _MEDIA)}, {', '.join(_MEDIA)})")
+
+
+def _media_parts(
+    messages: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], tuple[Media, ...], list[tuple[int, int]]]:
+    """Messages as the template sees them (each media part becomes ``{"type": modality}``, as
+    vLLM's chat path hands parts to a template), the media items, and where each was
+    (message, part)."""
+    media: list[Media] = []
+    where: list[tuple[int, int]] = []
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list | tuple):
+            parts: list[Any] | None = None
+            for j, part in enumerate(content):
+                found = _media_of(part, f"message {i}: content part {j}")
+                if found is None:
+                    continue
+                modality, data = found
+                raw = data.encode("utf-8") if isinstance(data, str) else data
+                identifier = xxhash.xxh3_128_hexdigest(modality.encode() + b"\0" + raw)
+                media.append(Media(modality, data, identifier))
+                where.append((i, j))
+                if parts is None:
+                    parts = list(content)
+                parts[j] = {"type": modality}
+            if parts is not None:
+                message = {**message, "content": parts}
+        out.append(message)
+    return out, tuple(media), where
+
+
+def _common_chars(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, by binary search over slices."""
+    hi = min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    lo = 0  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _check_name(value: Any, what: str, *, optional: bool) -> None:
@@ -243,13 +378,32 @@ class Ingress:
     def check(
         self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
         request_id: str | None = None, lora_request: Any = None, priority: int = 0,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> IngressRequest:
         """Validates one request without tokenizing it.
 
+        Chat messages are canonicalized (their text only) and rendered here, on the loop, with
+        the engine tokenizer's chat template, as vLLM's chat path renders them:
+        ``apply_chat_template(messages, tools=tools, **chat_template_kwargs,
+        add_generation_prompt=True, tokenize=False)``. Every ingress mode then tokenizes the same
+        text, so tools and template arguments reach the key through the prompt's tokens.
+
+        Args:
+            tools: For chat messages: tool definitions (mappings, e.g. OpenAI's ``{"type":
+                "function", "function": {...}}``) the template renders. Never canonicalized.
+            chat_template_kwargs: For chat messages: more variables for the template (e.g.
+                ``{"enable_thinking": False}``); string keys, none of the arguments the gateway
+                sets itself (``tools``, ``tokenize``, ``add_generation_prompt``, ``chat_template``,
+                ``conversation``, ``messages``, ``return_dict``).
+
         Raises:
-            InvalidRequest: Malformed prompt, tenant, request id or sampling parameters.
+            InvalidRequest: Malformed prompt, tenant, request id, sampling parameters, tools or
+                template arguments; tools or template arguments with a prompt that is not chat
+                messages; a template that fails to render.
             PromptTooLong: Far more characters (or tokens) than the model allows.
         """
+        tools, chat_template_kwargs = _check_template_args(tools, chat_template_kwargs)
         tenant = self._check_tenant(tenant)
         if request_id is None:
             request_id = f"{self._id_prefix}{next(self._ids)}"
@@ -286,6 +440,10 @@ class Ingress:
                 prompt = bytes(prompt).decode("utf-8")
             except UnicodeDecodeError as e:
                 raise InvalidRequest(f"prompt bytes are not valid UTF-8 (at byte {e.start})") from None
+        chat = (isinstance(prompt, Sequence) and not isinstance(prompt, str | bytes) and bool(prompt)
+                and not isinstance(prompt[0], int))
+        if not chat and (tools is not None or chat_template_kwargs is not None):
+            raise InvalidRequest("tools and chat_template_kwargs apply to chat messages only")
         if isinstance(prompt, str):
             self._check_text(prompt)
             return IngressRequest(**fields, text=prompt)
@@ -299,10 +457,18 @@ class Ingress:
         if isinstance(prompt[0], int):
             return IngressRequest(**fields, token_ids=self._check_ids(prompt))
         canon = canonicalize_messages(self._check_messages(prompt), self.config.canonicalize)
-        text = self._render(canon.value)
+        messages, media, where = _media_parts(canon.value)
+        if len(media) > _MAX_MEDIA:
+            raise InvalidRequest(f"{len(media)} media items; at most {_MAX_MEDIA} are accepted")
+        extra: dict[str, Any] = dict(chat_template_kwargs or {})
+        text = self._render(messages, tools, extra, add_generation_prompt=True)
+        if len(text) > self.max_chars:  # tools can make the rendered prompt much longer
+            raise PromptTooLong(f"the rendered chat has {len(text)} characters, far over the token "
+                                "limit", num_tokens=None, limit=self.max_prompt_tokens)
+        chars = tuple(self._media_chars(text, messages, where, tools, extra))
         return IngressRequest(**fields, text=text, add_special_tokens=False, canonical=True,
                               canonicalized=canon.changed, chars_removed=canon.chars_removed,
-                              rules=canon.rules)
+                              rules=canon.rules, media=media, media_chars=chars)
 
     def _check_tenant(self, tenant: str | None) -> str | None:
         _check_name(tenant, "tenant", optional=True)
@@ -361,6 +527,8 @@ class Ingress:
                 for j, part in enumerate(content):
                     if not isinstance(part, Mapping):
                         raise InvalidRequest(f"message {i}: content part {j} must be a mapping")
+                    if _media_of(part, f"message {i}: content part {j}") is not None:
+                        continue
                     text = part.get("text")
                     if text is not None and not isinstance(text, str):
                         raise InvalidRequest(f"message {i}: content part {j} text must be a string")
@@ -377,12 +545,26 @@ class Ingress:
                                 num_tokens=None, limit=self.max_prompt_tokens)
         return messages
 
-    def _render(self, messages: list[dict[str, Any]]) -> str:
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                kwargs: dict[str, Any], *, add_generation_prompt: bool) -> str:
         try:
-            return self.engine.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                             add_generation_prompt=True)
+            text = self.engine.tokenizer.apply_chat_template(
+                messages, tools=tools, **kwargs, add_generation_prompt=add_generation_prompt,
+                tokenize=False)
         except Exception as e:  # templates raise anything from ValueError to Jinja's errors
             raise InvalidRequest(f"could not render the chat template: {type(e).__name__}: {e}") from e
+        if not isinstance(text, str):
+            raise InvalidRequest(f"the chat template rendered {type(text).__name__}, not text")
+        return text
+
+    def _media_chars(self, text: str, messages: list[dict[str, Any]], where: list[tuple[int, int]],
+                     tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> Iterator[int]:
+        """Where each media item sits in the rendered ``text``: how far it agrees with the
+        conversation rendered up to just before the item (its placeholder, or whatever follows
+        when the template renders none, starts there)."""
+        for i, j in where:
+            cut = [*messages[:i], {**messages[i], "content": messages[i]["content"][:j]}]
+            yield _common_chars(text, self._render(cut, tools, kwargs, add_generation_prompt=False))
 
     # -- 2. anywhere: prepare -----------------------------------------------------------------
 
@@ -418,14 +600,18 @@ class Ingress:
             priority=request.priority, arrival=request.arrival,
             canonicalized=prepared.canonicalized, chars_removed=prepared.chars_removed,
             seq=next(self._seq), canonical_rules=prepared.rules,
+            media=tuple(replace(m, position=p) for m, p in
+                        zip(request.media, prepared.media_positions, strict=True)) or None,
         )
 
     def make_ticket(self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
                     request_id: str | None = None, lora_request: Any = None,
-                    priority: int = 0) -> Ticket:
+                    priority: int = 0, tools: Sequence[Mapping[str, Any]] | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> Ticket:
         """Validates, prepares (inline) and tickets one request. See :meth:`check`."""
         request = self.check(prompt, sampling_params, tenant=tenant, request_id=request_id,
-                             lora_request=lora_request, priority=priority)
+                             lora_request=lora_request, priority=priority, tools=tools,
+                             chat_template_kwargs=chat_template_kwargs)
         return self.ticket(request, self.prepare(request))
 
     def _intern(self, chain: tuple[BlockHash, ...]) -> tuple[BlockHash, ...]:
