@@ -89,7 +89,8 @@ class FakeEngine:
     ``output_time`` seconds on ``clock`` if both are set, else for ``step`` (an
     ``asyncio.Event`` tests can hold), else yields to the loop once. ``max_num_seqs`` is only
     reported (the gateway sizes its window and counts the engine's backlog from it); the fake
-    runs every request at once.
+    runs every request at once. A request's media are kept (``requests``) but not keyed: the
+    toy cache sees only tokens (the faithful keying is :class:`prefixgate.sim.SimEngine`'s).
 
     Attributes:
         running: Request ids currently generating.
