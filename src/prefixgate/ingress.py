@@ -249,8 +249,8 @@ def _check_template_args(
             raise InvalidRequest("chat_template_kwargs must be a mapping, got "
                                  f"{type(kwargs).__name__}")
         for key in kwargs:
-            if not isinstance(key, str) or not key.isidentifier():
-                raise InvalidRequest(f"chat_template_kwargs keys must be identifiers, got {key!r}")
+            if not isinstance(key, str) or not key:
+                raise InvalidRequest(f"chat_template_kwargs keys must be non-empty strings, got {key!r}")
             if key in _RESERVED_KWARGS:
                 what = "pass tools=" if key == "tools" else "the gateway sets it"
                 raise InvalidRequest(f"chat_template_kwargs may not set {key!r} ({what})")
