@@ -259,3 +259,19 @@ async def test_bounds_on_rendered_chats_and_media_items():
         many = [{"type": "image_url", "image_url": f"https://example.com/{i}.png"} for i in range(257)]
         with pytest.raises(InvalidRequest, match="257 media items"):
             gw.generate([{"role": "user", "content": many}], SP)
+
+
+async def test_text_parts_reach_a_template_that_takes_strings_joined_by_newlines_as_in_vllm():
+    # The tiny Llama's template prints m['content']: vLLM's "string" content format. vLLM joins
+    # the text parts with newlines for it (and would put a multimodal model's own placeholder
+    # text for each media item, which only the model knows: here media parts add no text).
+    engine = NullEngine(tokenizer=TOKENIZER, max_model_len=4096)
+    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw:
+        parts = await _ticket(gw, [{"role": "user", "content": [
+            {"type": "text", "text": "Describe"}, {"type": "image_url", "image_url": PNG_A},
+            {"type": "text", "text": "briefly"}]}])
+        plain = await _ticket(gw, [{"role": "user", "content": "Describe\nbriefly"}])
+    assert list(parts.prompt_token_ids) == list(plain.prompt_token_ids)
+    prefix = TOKENIZER.encode("<s><|user|>\nDescribe", add_special_tokens=False)
+    assert parts.media[0].position == len(prefix)
+    assert gw._ingress._takes_strings() and not Gateway(FakeEngine())._ingress._takes_strings()

@@ -96,3 +96,28 @@ async def test_vllm_engine_loads_media_with_vllm_and_passes_them_as_multi_modal_
     assert tokens_prompt(EngineRequest("r2", [5, 6], None)) == {"prompt_token_ids": [5, 6]}
     with pytest.raises(InvalidRequest, match="could not load media item 0"):
         await load_media((Media("image", b"not an image", "2" * 32),))
+
+
+@pytest.mark.parametrize("template", [
+    None,  # the tiny Llama's own: prints m['content']
+    "{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}"
+    "{% else %}<image>{% endif %}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{% endfor %}",
+])
+def test_the_content_format_is_read_as_vllm_reads_it(template):
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+    from vllm.renderers.hf import _detect_content_format
+
+    from prefixgate import GatewayConfig, MonotonicClock
+    from prefixgate.ingress import Ingress
+    from prefixgate.testing import NullEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(__file__).parent / "fixtures" / "tiny-llama"))
+    if template is not None:
+        tokenizer.chat_template = template
+    ingress = Ingress(NullEngine(tokenizer=tokenizer), GatewayConfig(), MonotonicClock())
+    vllm_format = _detect_content_format(tokenizer.chat_template, default="string")
+    assert ingress._takes_strings() == (vllm_format == "string")

@@ -316,6 +316,17 @@ def _media_parts(
     return out, tuple(media), where
 
 
+def _joined(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with list content as one string: its text parts joined by newlines, as vLLM
+    gives content to a template that takes strings. Media parts add nothing: vLLM would insert
+    the model's own placeholder text, which only the model knows."""
+    content = message.get("content")
+    if not isinstance(content, list | tuple):
+        return message
+    texts = [p["text"] for p in content if p.get("type", "text") == "text" and isinstance(p.get("text"), str)]
+    return {**message, "content": "\n".join(texts)}
+
+
 def _common_chars(a: str, b: str) -> int:
     """Length of the longest common prefix of ``a`` and ``b``, by binary search over slices."""
     hi = min(len(a), len(b))
@@ -372,6 +383,7 @@ class Ingress:
         self._roots: dict[tuple[str, str | None, str | None], tuple[Namespace, BlockHash]] = {}
         self._salts: dict[str, str] = {}
         self._interned: OrderedDict[BlockHash, tuple[BlockHash, ...]] = OrderedDict()
+        self._string_content: bool | None = None  # see _takes_strings
 
     # -- 1. on the loop: validate --------------------------------------------------------------
 
@@ -387,7 +399,10 @@ class Ingress:
         the engine tokenizer's chat template, as vLLM's chat path renders them:
         ``apply_chat_template(messages, tools=tools, **chat_template_kwargs,
         add_generation_prompt=True, tokenize=False)``. Every ingress mode then tokenizes the same
-        text, so tools and template arguments reach the key through the prompt's tokens.
+        text, so tools and template arguments reach the key through the prompt's tokens. A
+        template that iterates content parts gets each media part as ``{"type": modality}``; one
+        that prints content as a string gets the text parts joined by newlines (vLLM's two
+        content formats; vLLM would add a multimodal model's placeholder text, unknown here).
 
         Args:
             tools: For chat messages: tool definitions (mappings, e.g. OpenAI's ``{"type":
@@ -545,8 +560,30 @@ class Ingress:
                                 num_tokens=None, limit=self.max_prompt_tokens)
         return messages
 
+    def _takes_strings(self) -> bool:
+        """Whether the chat template reads a message's content as one string (vLLM's "string"
+        content format) rather than iterating its parts ("openai"). vLLM reads the template's
+        syntax tree; here the template is asked: a list of one text part that renders as the
+        plain string does, or renders the text without a dict's repr, is read as parts."""
+        if self._string_content is None:
+            probe = "\ue000prefixgate probe\ue001"
+            renders: list[str | None] = []
+            for content in (probe, [{"type": "text", "text": probe}]):
+                try:
+                    renders.append(self.engine.tokenizer.apply_chat_template(
+                        [{"role": "user", "content": content}], add_generation_prompt=False,
+                        tokenize=False))
+                except Exception:
+                    renders.append(None)
+            plain, parts = renders
+            self._string_content = not (parts is not None and (
+                parts == plain or (probe in parts and "'text'" not in parts and '"text"' not in parts)))
+        return self._string_content
+
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                 kwargs: dict[str, Any], *, add_generation_prompt: bool) -> str:
+        if self._takes_strings():  # as vLLM: the text parts joined by newlines
+            messages = [_joined(m) for m in messages]
         try:
             text = self.engine.tokenizer.apply_chat_template(
                 messages, tools=tools, **kwargs, add_generation_prompt=add_generation_prompt,
