@@ -274,4 +274,4 @@ async def test_text_parts_reach_a_template_that_takes_strings_joined_by_newlines
     assert list(parts.prompt_token_ids) == list(plain.prompt_token_ids)
     prefix = TOKENIZER.encode("<s><|user|>\nDescribe", add_special_tokens=False)
     assert parts.media[0].position == len(prefix)
-    assert gw._ingress._takes_strings() and not Gateway(FakeEngine())._ingress._takes_strings()
+    assert gw._ingress.chat.takes_strings() and not Gateway(FakeEngine())._ingress.chat.takes_strings()

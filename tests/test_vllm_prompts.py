@@ -120,4 +120,4 @@ def test_the_content_format_is_read_as_vllm_reads_it(template):
         tokenizer.chat_template = template
     ingress = Ingress(NullEngine(tokenizer=tokenizer), GatewayConfig(), MonotonicClock())
     vllm_format = _detect_content_format(tokenizer.chat_template, default="string")
-    assert ingress._takes_strings() == (vllm_format == "string")
+    assert ingress.chat.takes_strings() == (vllm_format == "string")

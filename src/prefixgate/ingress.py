@@ -18,13 +18,14 @@ import itertools
 import os
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import xxhash
 
 from .canonicalize import CanonicalizeConfig, RuleCount, canonicalize_messages, canonicalize_text
+from .chat import ChatTemplate, check_template_args, media_of
 from .clock import Clock
 from .config import GatewayConfig
 from .engine import Engine, Media, SamplingCheck
@@ -52,12 +53,6 @@ A chat message's ``content`` is a string or a list of OpenAI-style parts: text
 {"url": ...}}``, ``audio_url``, ``video_url``; ``http(s)://`` or ``data:``) or as encoded bytes
 (``{"type": "image", "image": b"..."}``, ``audio``, ``video``)."""
 
-_MEDIA = ("image", "audio", "video")
-_MAX_MEDIA = 256  # media items per request: each costs one more template rendering at the call
-# What the gateway itself passes to apply_chat_template: not the caller's to set. vLLM refuses
-# chat_template and tokenize among chat_template_kwargs; the others would change what we render.
-_RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "chat_template", "tokenize",
-                              "add_generation_prompt", "return_dict"})
 
 # A prompt this many characters per allowed token is refused before tokenizing it: no real
 # tokenizer averages that many characters per token, and tokenizing megabytes costs seconds.
@@ -233,115 +228,6 @@ def _check_utf8(text: str, what: str) -> None:
         raise InvalidRequest(f"{what} is not valid Unicode text (lone surrogate at {e.start})") from None
 
 
-def _check_template_args(
-    tools: Any, kwargs: Any,
-) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None]:
-    """``tools`` as a list of dicts and ``kwargs`` as a dict (shallow copies), or ``InvalidRequest``."""
-    if tools is not None:
-        if not isinstance(tools, Sequence) or isinstance(tools, str | bytes | bytearray):
-            raise InvalidRequest(f"tools must be a list of mappings, got {type(tools).__name__}")
-        for i, tool in enumerate(tools):
-            if not isinstance(tool, Mapping):
-                raise InvalidRequest(f"tool {i} must be a mapping, got {type(tool).__name__}")
-        tools = [dict(tool) for tool in tools]
-    if kwargs is not None:
-        if not isinstance(kwargs, Mapping):
-            raise InvalidRequest("chat_template_kwargs must be a mapping, got "
-                                 f"{type(kwargs).__name__}")
-        for key in kwargs:
-            if not isinstance(key, str) or not key:
-                raise InvalidRequest(f"chat_template_kwargs keys must be non-empty strings, got {key!r}")
-            if key in _RESERVED_KWARGS:
-                what = "pass tools=" if key == "tools" else "the gateway sets it"
-                raise InvalidRequest(f"chat_template_kwargs may not set {key!r} ({what})")
-        kwargs = dict(kwargs)
-    return tools, kwargs
-
-
-def _media_of(part: Mapping[str, Any], what: str) -> tuple[str, str | bytes] | None:
-    """``(modality, URL or bytes)`` of a media content part, ``None`` for a text part.
-
-    Raises:
-        InvalidRequest: A media part without its URL or bytes, or a part of an unknown type.
-    """
-    kind = part.get("type")
-    if kind is None or kind == "text":
-        return None
-    if not isinstance(kind, str):
-        raise InvalidRequest(f"{what}: 'type' must be a string")
-    if kind.endswith("_url") and kind[:-4] in _MEDIA:
-        value = part.get(kind)
-        url = value.get("url") if isinstance(value, Mapping) else value
-        if not isinstance(url, str) or not url:
-            raise InvalidRequest(f"{what}: {kind!r} needs a non-empty 'url'")
-        _check_utf8(url, what)
-        return kind[:-4], url
-    if kind in _MEDIA:
-        data = part.get(kind)
-        if not isinstance(data, bytes | bytearray | memoryview) or not len(data):
-            raise InvalidRequest(f"{what}: {kind!r} needs the encoded {kind} as non-empty bytes")
-        return kind, bytes(data)
-    raise InvalidRequest(f"{what}: unsupported content part type {kind!r} (text, "
-                         f"{', '.join(m + '_url' for m in _MEDIA)}, {', '.join(_MEDIA)})")
-
-
-def _media_parts(
-    messages: list[dict[str, Any]],
-) -> tuple[list[dict[str, Any]], tuple[Media, ...], list[tuple[int, int]]]:
-    """Messages as the template sees them (each media part becomes ``{"type": modality}``, as
-    vLLM's chat path hands parts to a template), the media items, and where each was
-    (message, part)."""
-    media: list[Media] = []
-    where: list[tuple[int, int]] = []
-    out: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        content = message.get("content")
-        if isinstance(content, list | tuple):
-            parts: list[Any] | None = None
-            for j, part in enumerate(content):
-                found = _media_of(part, f"message {i}: content part {j}")
-                if found is None:
-                    continue
-                modality, data = found
-                raw = data.encode("utf-8") if isinstance(data, str) else data
-                identifier = xxhash.xxh3_128_hexdigest(modality.encode() + b"\0" + raw)
-                media.append(Media(modality, data, identifier))
-                where.append((i, j))
-                if parts is None:
-                    parts = list(content)
-                parts[j] = {"type": modality}
-            if parts is not None:
-                message = {**message, "content": parts}
-        out.append(message)
-    return out, tuple(media), where
-
-
-def _joined(message: dict[str, Any]) -> dict[str, Any]:
-    """``message`` with list content as one string: its text parts joined by newlines, as vLLM
-    gives content to a template that takes strings. Media parts add nothing: vLLM would insert
-    the model's own placeholder text, which only the model knows."""
-    content = message.get("content")
-    if not isinstance(content, list | tuple):
-        return message
-    texts = [p["text"] for p in content if p.get("type", "text") == "text" and isinstance(p.get("text"), str)]
-    return {**message, "content": "\n".join(texts)}
-
-
-def _common_chars(a: str, b: str) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``, by binary search over slices."""
-    hi = min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    lo = 0  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
-    while lo < hi - 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 def _check_name(value: Any, what: str, *, optional: bool) -> None:
     if value is None and optional:
         return
@@ -383,7 +269,7 @@ class Ingress:
         self._roots: dict[tuple[str, str | None, str | None], tuple[Namespace, BlockHash]] = {}
         self._salts: dict[str, str] = {}
         self._interned: OrderedDict[BlockHash, tuple[BlockHash, ...]] = OrderedDict()
-        self._string_content: bool | None = None  # see _takes_strings
+        self.chat = ChatTemplate(engine.tokenizer)
 
     # -- 1. on the loop: validate --------------------------------------------------------------
 
@@ -418,7 +304,7 @@ class Ingress:
                 messages; a template that fails to render.
             PromptTooLong: Far more characters (or tokens) than the model allows.
         """
-        tools, chat_template_kwargs = _check_template_args(tools, chat_template_kwargs)
+        tools, chat_template_kwargs = check_template_args(tools, chat_template_kwargs)
         tenant = self._check_tenant(tenant)
         if request_id is None:
             request_id = f"{self._id_prefix}{next(self._ids)}"
@@ -472,18 +358,11 @@ class Ingress:
         if isinstance(prompt[0], int):
             return IngressRequest(**fields, token_ids=self._check_ids(prompt))
         canon = canonicalize_messages(self._check_messages(prompt), self.config.canonicalize)
-        messages, media, where = _media_parts(canon.value)
-        if len(media) > _MAX_MEDIA:
-            raise InvalidRequest(f"{len(media)} media items; at most {_MAX_MEDIA} are accepted")
-        extra: dict[str, Any] = dict(chat_template_kwargs or {})
-        text = self._render(messages, tools, extra, add_generation_prompt=True)
-        if len(text) > self.max_chars:  # tools can make the rendered prompt much longer
-            raise PromptTooLong(f"the rendered chat has {len(text)} characters, far over the token "
-                                "limit", num_tokens=None, limit=self.max_prompt_tokens)
-        chars = tuple(self._media_chars(text, messages, where, tools, extra))
-        return IngressRequest(**fields, text=text, add_special_tokens=False, canonical=True,
+        rendered = self.chat.render_chat(canon.value, tools, chat_template_kwargs,
+                                         max_chars=self.max_chars, max_tokens=self.max_prompt_tokens)
+        return IngressRequest(**fields, text=rendered.text, add_special_tokens=False, canonical=True,
                               canonicalized=canon.changed, chars_removed=canon.chars_removed,
-                              rules=canon.rules, media=media, media_chars=chars)
+                              rules=canon.rules, media=rendered.media, media_chars=rendered.media_chars)
 
     def _check_tenant(self, tenant: str | None) -> str | None:
         _check_name(tenant, "tenant", optional=True)
@@ -542,7 +421,10 @@ class Ingress:
                 for j, part in enumerate(content):
                     if not isinstance(part, Mapping):
                         raise InvalidRequest(f"message {i}: content part {j} must be a mapping")
-                    if _media_of(part, f"message {i}: content part {j}") is not None:
+                    found = media_of(part, f"message {i}: content part {j}")
+                    if found is not None:
+                        if isinstance(found[1], str):
+                            _check_utf8(found[1], f"message {i}: content part {j}")
                         continue
                     text = part.get("text")
                     if text is not None and not isinstance(text, str):
@@ -559,49 +441,6 @@ class Ingress:
             raise PromptTooLong(f"messages have {total} characters, far over the token limit",
                                 num_tokens=None, limit=self.max_prompt_tokens)
         return messages
-
-    def _takes_strings(self) -> bool:
-        """Whether the chat template reads a message's content as one string (vLLM's "string"
-        content format) rather than iterating its parts ("openai"). vLLM reads the template's
-        syntax tree; here the template is asked: a list of one text part that renders as the
-        plain string does, or renders the text without a dict's repr, is read as parts."""
-        if self._string_content is None:
-            probe = "\ue000prefixgate probe\ue001"
-            renders: list[str | None] = []
-            for content in (probe, [{"type": "text", "text": probe}]):
-                try:
-                    renders.append(self.engine.tokenizer.apply_chat_template(
-                        [{"role": "user", "content": content}], add_generation_prompt=False,
-                        tokenize=False))
-                except Exception:
-                    renders.append(None)
-            plain, parts = renders
-            self._string_content = not (parts is not None and (
-                parts == plain or (probe in parts and "'text'" not in parts and '"text"' not in parts)))
-        return self._string_content
-
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                kwargs: dict[str, Any], *, add_generation_prompt: bool) -> str:
-        if self._takes_strings():  # as vLLM: the text parts joined by newlines
-            messages = [_joined(m) for m in messages]
-        try:
-            text = self.engine.tokenizer.apply_chat_template(
-                messages, tools=tools, **kwargs, add_generation_prompt=add_generation_prompt,
-                tokenize=False)
-        except Exception as e:  # templates raise anything from ValueError to Jinja's errors
-            raise InvalidRequest(f"could not render the chat template: {type(e).__name__}: {e}") from e
-        if not isinstance(text, str):
-            raise InvalidRequest(f"the chat template rendered {type(text).__name__}, not text")
-        return text
-
-    def _media_chars(self, text: str, messages: list[dict[str, Any]], where: list[tuple[int, int]],
-                     tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> Iterator[int]:
-        """Where each media item sits in the rendered ``text``: how far it agrees with the
-        conversation rendered up to just before the item (its placeholder, or whatever follows
-        when the template renders none, starts there)."""
-        for i, j in where:
-            cut = [*messages[:i], {**messages[i], "content": messages[i]["content"][:j]}]
-            yield _common_chars(text, self._render(cut, tools, kwargs, add_generation_prompt=False))
 
     # -- 2. anywhere: prepare -----------------------------------------------------------------
 
