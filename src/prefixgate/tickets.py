@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .canonicalize import RuleCount
+from .engine import Media
 from .errors import Outcome
 from .keys import BlockHash, Namespace
 
@@ -52,6 +53,8 @@ class Ticket:
         canonical_rules: What each canonicalization rule changed (rules that changed nothing
             absent).
         seq: Arrival sequence number (ties break on it).
+        media: A multimodal prompt's media items with their token positions, passed to the
+            engine; ``None`` for text.
         failure: Why the gateway ended it before the engine saw it (set by the gateway).
         kill: Why the gateway is ending it while the engine has it (stall, shutdown).
         task: The task serving it while it is dispatched.
@@ -89,6 +92,7 @@ class Ticket:
     kill: Exception | None = field(default=None, repr=False)
     task: asyncio.Task[Any] | None = field(default=None, repr=False)
     in_engine: bool = field(default=False, repr=False)
+    media: tuple[Media, ...] | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
