@@ -81,18 +81,21 @@ def test_the_fit_drops_a_step_slowed_by_a_neighbour_and_keeps_coefficients_non_n
     assert min(g.alpha, g.beta, g.gamma) >= 0
 
 
-def test_loop_costs_come_apart_into_per_request_per_output_and_the_gateways_excess() -> None:
-    want = LoopCost(request=300e-6, output=20e-6, prompt_token=0.5e-6, gateway_request=100e-6,
-                    gateway_output=5e-6)
+def test_loop_costs_come_apart_into_per_request_per_output_per_token_and_the_gateways_excess() -> None:
+    want = LoopCost(request=300e-6, output=20e-6, request_token=0.3e-6, prompt_token=0.5e-6,
+                    gateway_request=100e-6, gateway_output=5e-6, gateway_token=0.1e-6)
 
-    def phase(path: str, max_tokens: int, outputs_each: int) -> LoopPhase:
-        per = want.request + (outputs_each - 1) * want.output
+    def phase(path: str, max_tokens: int, outputs_each: int, tokens: float) -> LoopPhase:
+        per = want.request + (outputs_each - 1) * want.output + tokens * want.request_token
         if path == "gateway":
-            per += want.gateway_request + (outputs_each - 1) * want.gateway_output
-        return LoopPhase(path, 100, max_tokens, 100 * outputs_each, 100 * per, 1.0)
+            per += (want.gateway_request + (outputs_each - 1) * want.gateway_output
+                    + tokens * want.gateway_token)
+        return LoopPhase(path, 100, max_tokens, 100 * outputs_each, 100 * per, 1.0, tokens)
 
-    phases = [phase("bare", 1, 1), phase("bare", 16, 12), phase("gateway", 1, 1), phase("gateway", 16, 9)]
-    got = fit_loop_cost(phases, want.prompt_token)
+    phases = [phase(path, k, n, t) for path, k, n, t in (
+        ("bare", 1, 1, 70.0), ("bare", 16, 12, 70.0), ("bare", 1, 1, 2100.0),
+        ("gateway", 1, 1, 71.0), ("gateway", 16, 9, 71.0), ("gateway", 1, 1, 2090.0))]
+    got = fit_loop_cost(phases * 3, want.prompt_token)
     assert got == pytest.approx(dataclasses.asdict(want), rel=1e-9)
 
 
