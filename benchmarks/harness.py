@@ -130,8 +130,10 @@ class _ArmDriver:
         assert self.gateway is not None
         last = None
         loop, cost = self.loop, self.loop_cost
-        if loop is not None:
-            await loop.spend(cost.request + cost.gateway_request)
+        if loop is not None:  # the simulator's tokenizer is memoized: counting costs no time
+            tokens = len(self.engine.engine.tokenizer.encode(prompt))
+            await loop.spend(cost.request + cost.gateway_request
+                             + (cost.request_token + cost.gateway_token) * tokens)
         t0 = time.perf_counter()
         stream = self.gateway.generate(prompt, params, request_id=rid, tenant=request.tenant)
         t1 = time.perf_counter()
@@ -168,7 +170,7 @@ class _ArmDriver:
         ids = self.engine.engine.tokenizer.encode(prompt)
         loop, cost = self.loop, self.loop_cost
         if loop is not None:
-            await loop.spend(cost.request + cost.prompt_token * len(ids))
+            await loop.spend(cost.request + (cost.prompt_token + cost.request_token) * len(ids))
         outputs = self.engine.engine.generate(EngineRequest(rid, ids, params))
         async with contextlib.aclosing(outputs):
             async for out in outputs:

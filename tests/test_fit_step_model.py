@@ -81,18 +81,21 @@ def test_the_fit_drops_a_step_slowed_by_a_neighbour_and_keeps_coefficients_non_n
     assert min(g.alpha, g.beta, g.gamma) >= 0
 
 
-def test_loop_costs_come_apart_into_per_request_per_output_and_the_gateways_excess() -> None:
-    want = LoopCost(request=300e-6, output=20e-6, prompt_token=0.5e-6, gateway_request=100e-6,
-                    gateway_output=5e-6)
+def test_loop_costs_come_apart_into_per_request_per_output_per_token_and_the_gateways_excess() -> None:
+    want = LoopCost(request=300e-6, output=20e-6, request_token=0.3e-6, prompt_token=0.5e-6,
+                    gateway_request=100e-6, gateway_output=5e-6, gateway_token=0.1e-6)
 
-    def phase(path: str, max_tokens: int, outputs_each: int) -> LoopPhase:
-        per = want.request + (outputs_each - 1) * want.output
+    def phase(path: str, max_tokens: int, outputs_each: int, tokens: float) -> LoopPhase:
+        per = want.request + (outputs_each - 1) * want.output + tokens * want.request_token
         if path == "gateway":
-            per += want.gateway_request + (outputs_each - 1) * want.gateway_output
-        return LoopPhase(path, 100, max_tokens, 100 * outputs_each, 100 * per, 1.0)
+            per += (want.gateway_request + (outputs_each - 1) * want.gateway_output
+                    + tokens * want.gateway_token)
+        return LoopPhase(path, 100, max_tokens, 100 * outputs_each, 100 * per, 1.0, tokens)
 
-    phases = [phase("bare", 1, 1), phase("bare", 16, 12), phase("gateway", 1, 1), phase("gateway", 16, 9)]
-    got = fit_loop_cost(phases, want.prompt_token)
+    phases = [phase(path, k, n, t) for path, k, n, t in (
+        ("bare", 1, 1, 70.0), ("bare", 16, 12, 70.0), ("bare", 1, 1, 2100.0),
+        ("gateway", 1, 1, 71.0), ("gateway", 16, 9, 71.0), ("gateway", 1, 1, 2090.0))]
+    got = fit_loop_cost(phases * 3, want.prompt_token)
     assert got == pytest.approx(dataclasses.asdict(want), rel=1e-9)
 
 
@@ -116,3 +119,30 @@ async def test_the_loop_runs_one_piece_of_work_at_a_time_in_arrival_order() -> N
 def test_a_loop_cost_must_be_a_finite_non_negative_number(bad: float) -> None:
     with pytest.raises(ValueError, match=r"LoopCost\.output"):
         LoopCost(output=bad)
+
+
+async def test_the_harness_charges_the_loop_per_request_and_per_output_bare_and_through_the_gateway() -> None:
+    from benchmarks.engines import SimFactory
+    from benchmarks.harness import run_arm
+    from benchmarks.workloads import make_trace
+    from prefixgate.testing import ByteTokenizer
+
+    cost = {"request": 0.010, "output": 0.001, "prompt_token": 0.0, "gateway_request": 0.005,
+            "gateway_output": 0.0005}
+    trace = make_trace("W1", "sim", seed=0, tokenizer=ByteTokenizer(),
+                       overrides={"groups": 2, "per_group": 5, "prefix_tokens": 64, "suffix_tokens": 8,
+                                  "max_tokens": 4})
+    spans = {}
+    for charged in (False, True):
+        factory = SimFactory("sim", ByteTokenizer(), loop_cost=cost, charge_loop=charged)
+        for arm in ("B1", "L"):
+            running = await factory.start(caching=True, kv_cap_tokens=None)
+            run = await run_arm(arm, 0, trace, running)
+            assert all(r.outcome == "completed" for r in run.records)
+            spans[arm, charged] = max(r.finished for r in run.records) - run.start
+    n = len(trace.requests)
+    # The burst's requests queue on the loop: at least n requests' work, and the last request's
+    # further outputs after it (a lagging client gets a stream's outputs merged, as from vLLM).
+    assert spans["B1", True] >= n * 0.010 + 3 * 0.001
+    assert spans["L", True] >= n * 0.015 + 3 * 0.0015
+    assert spans["B1", False] < n * 0.010 and spans["L", False] < n * 0.015

@@ -221,7 +221,9 @@ async def test_patient_clients_give_up_and_are_counted():
 
 async def test_refused_clients_record_retry_after_and_retry():
     trace = tiny_trace(per_group=20, max_tokens=32)
-    running = await sim_factory().start(caching=True, kv_cap_tokens=None)
+    # Without the loop's charge a refusal comes at the very instant of arrival.
+    factory = SimFactory("sim", ByteTokenizer(), charge_loop=False)
+    running = await factory.start(caching=True, kv_cap_tokens=None)
     config = gateway_config("W1", {"max_queue_len": 2, "max_in_flight": 1})
     once = await run_arm("L", 0, trace, running, config)
     refused = [r for r in once.records if r.refusals]

@@ -21,7 +21,7 @@ from .canonicalize import (
 )
 from .clock import AutoClock, Clock, FakeClock, MonotonicClock
 from .config import GatewayConfig, TenantLimits
-from .engine import Engine, EngineRequest, KvStats, SamplingCheck, Tokenizer
+from .engine import Engine, EngineRequest, KvStats, Media, SamplingCheck, Tokenizer
 from .errors import (
     AdmissionPolicyFailed,
     AdmissionRefused,
@@ -78,6 +78,7 @@ __all__ = (
     "GatewayStatistics",
     "InvalidRequest",
     "KvStats",
+    "Media",
     "MonotonicClock",
     "Namespace",
     "OrderingPolicy",

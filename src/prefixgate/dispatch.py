@@ -350,7 +350,7 @@ class Dispatcher:
             sampling_params = ticket.sampling_params
             outputs = replica.engine.generate(EngineRequest(
                 ticket.request_id, ticket.prompt_token_ids, sampling_params, ticket.cache_salt,
-                ticket.lora_request, ticket.priority))
+                ticket.lora_request, ticket.priority, ticket.media))
             try:
                 pull = outputs.__anext__
                 completion = replica.completion

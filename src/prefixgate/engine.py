@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from .errors import InvalidRequest
 
-__all__ = ["Completion", "Engine", "EngineRequest", "KvStats", "SamplingCheck", "Tokenizer",
+__all__ = ["Completion", "Engine", "EngineRequest", "KvStats", "Media", "SamplingCheck", "Tokenizer",
            "check_max_tokens", "completion_reader", "engine_slots", "read_completion"]
 
 
@@ -31,11 +31,34 @@ class Tokenizer(Protocol):
         ...
 
     def apply_chat_template(
-        self, conversation: Sequence[Mapping[str, Any]], *, tokenize: bool,
-        add_generation_prompt: bool,
+        self, conversation: Sequence[Mapping[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+        tokenize: bool, add_generation_prompt: bool, **kwargs: Any,
     ) -> Any:
-        """Renders chat messages to the model's prompt text."""
+        """Renders chat messages (and ``tools``, and the template's own ``kwargs``, such as
+        ``enable_thinking``) to the model's prompt text."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Media:
+    """One media item of a multimodal chat prompt, as it travels to the engine.
+
+    vLLM keys a multimodal prompt's blocks on their tokens plus, for each block that a media
+    item's placeholder tokens fall in, the item's hash; prefixgate mirrors that on the prompt as
+    the chat template renders it (before a model's processor expands each placeholder).
+
+    Attributes:
+        modality: ``"image"``, ``"audio"`` or ``"video"``: the key of vLLM's ``multi_modal_data``.
+        data: What the caller gave: a URL (``http(s)://`` or ``data:``) or the encoded bytes.
+        identifier: xxh3-128 hex digest of the modality and ``data``; equal media, equal key.
+        position: The index of the prompt token where the item sits (the first token at which a
+            prompt with other media there could differ), or ``None`` before tokenization.
+    """
+
+    modality: str
+    data: str | bytes
+    identifier: str
+    position: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +72,10 @@ class EngineRequest:
         cache_salt: Salts the engine's prefix cache (tenant isolation); ``None`` shares it.
         lora_request: The engine's LoRA request, or ``None``.
         priority: Passed to engines that schedule by priority.
+        media: The prompt's media items in prompt order, for multimodal chat prompts; ``None``
+            for text. ``VllmEngine`` loads them and passes them as ``multi_modal_data``; engines
+            that cannot use media ignore them (the simulator keys its cache on their positions
+            and identifiers, as the gateway does).
     """
 
     request_id: str
@@ -57,6 +84,7 @@ class EngineRequest:
     cache_salt: str | None = None
     lora_request: Any = None
     priority: int = 0
+    media: tuple[Media, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from .canonicalize import CanonicalizeConfig
@@ -157,8 +158,9 @@ class Gateway:
     # -- public API -------------------------------------------------------------------------
 
     def generate(self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
-                 request_id: str | None = None, lora_request: Any = None,
-                 priority: int = 0) -> ResponseStream:
+                 request_id: str | None = None, lora_request: Any = None, priority: int = 0,
+                 tools: Sequence[Mapping[str, Any]] | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> ResponseStream:
         """Validates a request; iterate the result for its outputs.
 
         What can be checked without tokenizing is checked here, and a bad request raises here.
@@ -168,11 +170,18 @@ class Gateway:
         Args:
             prompt: A ``str``, UTF-8 ``bytes``, a list of chat messages (rendered with the engine
                 tokenizer's chat template), or token ids (a list of ints or a ``TokensPrompt``).
+                A message's content may hold media parts (``image_url`` and the like, or encoded
+                bytes): they are keyed by their hash where the template places them and passed
+                to the engine (vLLM's ``multi_modal_data``); see :data:`~prefixgate.ingress.Prompt`.
             sampling_params: The engine's sampling parameters; engine defaults when ``None``.
             tenant: Namespaces the prefix cache (see ``GatewayConfig.isolate_tenants``).
             request_id: The engine request id; a fresh unique id when ``None``.
             lora_request: Passed to the engine; part of the block-key namespace.
             priority: Used by the ``priority`` ordering (lower first).
+            tools: For chat messages: tool definitions (mappings) passed to the chat template as
+                ``tools=``, as vLLM's chat path does. Not canonicalized.
+            chat_template_kwargs: For chat messages: more template variables (string keys,
+                e.g. ``{"enable_thinking": False}``), passed as keyword arguments.
 
         Returns:
             A :class:`ResponseStream` of the engine's outputs.
@@ -185,7 +194,8 @@ class Gateway:
             EngineDead: The engine has died.
             UsageError: Called outside the gateway's event loop.
         """
-        request = self._check(prompt, sampling_params, tenant, request_id, lora_request, priority)
+        request = self._check(prompt, sampling_params, tenant, request_id, lora_request, priority,
+                              tools, chat_template_kwargs)
         ticket = None
         if self._inline(request):
             try:
@@ -198,8 +208,9 @@ class Gateway:
         return ResponseStream(request, ticket, self._serve, self._forget)
 
     async def submit(self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
-                     request_id: str | None = None, lora_request: Any = None,
-                     priority: int = 0) -> ResponseStream:
+                     request_id: str | None = None, lora_request: Any = None, priority: int = 0,
+                     tools: Sequence[Mapping[str, Any]] | None = None,
+                     chat_template_kwargs: Mapping[str, Any] | None = None) -> ResponseStream:
         """Validates, prepares and admits a request; returns its stream once it is admitted
         (queued or already dispatched), before any engine call and before any output.
 
@@ -218,7 +229,8 @@ class Gateway:
             Everything :meth:`generate` raises.
         """
         stream = self.generate(prompt, sampling_params, tenant=tenant, request_id=request_id,
-                               lora_request=lora_request, priority=priority)
+                               lora_request=lora_request, priority=priority, tools=tools,
+                               chat_template_kwargs=chat_template_kwargs)
         try:
             await self._dispatch.enter(stream)
         except BaseException:
@@ -228,7 +240,9 @@ class Gateway:
 
     def try_generate(self, prompt: Prompt, sampling_params: Any = None, *,
                      tenant: str | None = None, request_id: str | None = None,
-                     lora_request: Any = None, priority: int = 0) -> ResponseStream:
+                     lora_request: Any = None, priority: int = 0,
+                     tools: Sequence[Mapping[str, Any]] | None = None,
+                     chat_template_kwargs: Mapping[str, Any] | None = None) -> ResponseStream:
         """The non-blocking twin of :meth:`generate`: dispatches now or raises, never queues.
 
         Ingress runs inline. The returned stream already holds its engine slot and KV
@@ -242,7 +256,8 @@ class Gateway:
             RateLimited: The tenant's request rate is used up.
             Everything :meth:`generate` raises.
         """
-        request = self._check(prompt, sampling_params, tenant, request_id, lora_request, priority)
+        request = self._check(prompt, sampling_params, tenant, request_id, lora_request, priority,
+                              tools, chat_template_kwargs)
         try:
             ticket = self._ticket(request, self._ingress.prepare(request))
             self._dispatch.dispatch_now(ticket)
@@ -257,12 +272,14 @@ class Gateway:
         return stream
 
     def can_admit(self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
-                  lora_request: Any = None) -> bool:
+                  lora_request: Any = None, tools: Sequence[Mapping[str, Any]] | None = None,
+                  chat_template_kwargs: Mapping[str, Any] | None = None) -> bool:
         """Whether :meth:`try_generate` with these arguments would be dispatched now. Pure: the
         admission policy is not consulted (its ``check`` may charge a budget)."""
         try:
             ticket = self._ingress.make_ticket(prompt, sampling_params, tenant=tenant,
-                                               lora_request=lora_request, request_id="can-admit")
+                                               lora_request=lora_request, request_id="can-admit",
+                                               tools=tools, chat_template_kwargs=chat_template_kwargs)
             self._replica.admission.check_fits_ever(ticket)
         except PrefixgateError:
             return False
@@ -305,13 +322,16 @@ class Gateway:
                              "gateway per event loop") from None
 
     def _check(self, prompt: Prompt, sampling_params: Any, tenant: str | None,
-               request_id: str | None, lora_request: Any, priority: int) -> IngressRequest:
+               request_id: str | None, lora_request: Any, priority: int,
+               tools: Sequence[Mapping[str, Any]] | None = None,
+               chat_template_kwargs: Mapping[str, Any] | None = None) -> IngressRequest:
         self._bind_loop()
         try:
             self._dispatch.check_open()
             request = self._ingress.check(prompt, sampling_params, tenant=tenant,
                                           request_id=request_id, lora_request=lora_request,
-                                          priority=priority)
+                                          priority=priority, tools=tools,
+                                          chat_template_kwargs=chat_template_kwargs)
             self._claim(request.request_id)
         except PrefixgateError as e:
             self._stats.refuse(e.outcome)

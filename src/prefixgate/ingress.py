@@ -19,24 +19,40 @@ import os
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import xxhash
 
 from .canonicalize import CanonicalizeConfig, RuleCount, canonicalize_messages, canonicalize_text
+from .chat import ChatTemplate, check_template_args, media_of
 from .clock import Clock
 from .config import GatewayConfig
-from .engine import Engine, SamplingCheck
+from .engine import Engine, Media, SamplingCheck
 from .errors import InvalidRequest, PromptTooLong
-from .keys import BlockHash, ChainCache, Namespace, cacheable_blocks, common_prefix, pack_tokens
+from .keys import (
+    BlockHash,
+    ChainCache,
+    Namespace,
+    cacheable_blocks,
+    common_prefix,
+    media_extras,
+    media_positions,
+    pack_tokens,
+)
 from .tickets import Ticket
 
 __all__ = ["Ingress", "IngressRequest", "Prepared", "Prompt", "fast_encoder", "prepare"]
 
 Prompt = str | bytes | Sequence[Mapping[str, Any]] | Mapping[str, Any] | Sequence[int]
 """A plain prompt (``str``, or UTF-8 ``bytes``), a list of chat messages, or token ids (a list of
-ints, or vLLM's ``TokensPrompt`` mapping ``{"prompt_token_ids": [...]}``)."""
+ints, or vLLM's ``TokensPrompt`` mapping ``{"prompt_token_ids": [...]}``).
+
+A chat message's ``content`` is a string or a list of OpenAI-style parts: text
+(``{"type": "text", "text": ...}``) and media, by URL (``{"type": "image_url", "image_url":
+{"url": ...}}``, ``audio_url``, ``video_url``; ``http(s)://`` or ``data:``) or as encoded bytes
+(``{"type": "image", "image": b"..."}``, ``audio``, ``video``)."""
+
 
 # A prompt this many characters per allowed token is refused before tokenizing it: no real
 # tokenizer averages that many characters per token, and tokenizing megabytes costs seconds.
@@ -78,6 +94,8 @@ class IngressRequest:
         canonicalized: For chat messages: whether canonicalizing their contents changed them.
         chars_removed: For chat messages: characters canonicalization removed.
         rules: For chat messages: what each canonicalization rule changed.
+        media: For multimodal chat messages: the media items in prompt order (no positions yet).
+        media_chars: Where each media item sits in ``text``, in characters.
     """
 
     request_id: str
@@ -97,6 +115,8 @@ class IngressRequest:
     canonicalized: bool = False
     chars_removed: int = 0
     rules: Mapping[str, RuleCount] = field(default_factory=dict)
+    media: tuple[Media, ...] = ()
+    media_chars: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -114,6 +134,7 @@ class Prepared:
         canonicalized: Whether canonicalization changed the prompt.
         chars_removed: Characters canonicalization removed.
         rules: What each canonicalization rule changed (rules that changed nothing absent).
+        media_positions: The token position of each of the request's media items.
     """
 
     token_ids: Sequence[int]
@@ -121,6 +142,7 @@ class Prepared:
     canonicalized: bool = False
     chars_removed: int = 0
     rules: Mapping[str, RuleCount] = field(default_factory=dict)
+    media_positions: tuple[int, ...] = ()
 
 
 def prepare(request: IngressRequest, *, encode: Encode, chains: ChainCache,
@@ -149,8 +171,18 @@ def prepare(request: IngressRequest, *, encode: Encode, chains: ChainCache,
         data = pack_tokens(ids)
     except ValueError as e:
         raise InvalidRequest(f"invalid token ids: {e}") from None
-    chain = chains.chain(data, request.root)
-    return Prepared(ids, chain, canon_changed, removed, rules)
+    if not request.media:
+        return Prepared(ids, chains.chain(data, request.root), canon_changed, removed, rules)
+    assert request.text is not None
+    try:
+        positions = media_positions(request.text, ids, request.media_chars, encode,
+                                    request.add_special_tokens)
+    except Exception as e:
+        raise InvalidRequest(f"could not tokenize the prompt: {type(e).__name__}: {e}") from e
+    extras = media_extras([(p, m.identifier) for p, m in zip(positions, request.media, strict=True)],
+                          chains.block_size)
+    return Prepared(ids, chains.chain(data, request.root, extras), canon_changed, removed, rules,
+                    positions)
 
 
 def fast_encoder(tokenizer: Any) -> Encode | None:
@@ -237,19 +269,42 @@ class Ingress:
         self._roots: dict[tuple[str, str | None, str | None], tuple[Namespace, BlockHash]] = {}
         self._salts: dict[str, str] = {}
         self._interned: OrderedDict[BlockHash, tuple[BlockHash, ...]] = OrderedDict()
+        self.chat = ChatTemplate(engine.tokenizer)
 
     # -- 1. on the loop: validate --------------------------------------------------------------
 
     def check(
         self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
         request_id: str | None = None, lora_request: Any = None, priority: int = 0,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> IngressRequest:
         """Validates one request without tokenizing it.
 
+        Chat messages are canonicalized (their text only) and rendered here, on the loop, with
+        the engine tokenizer's chat template, as vLLM's chat path renders them:
+        ``apply_chat_template(messages, tools=tools, **chat_template_kwargs,
+        add_generation_prompt=True, tokenize=False)``. Every ingress mode then tokenizes the same
+        text, so tools and template arguments reach the key through the prompt's tokens. A
+        template that iterates content parts gets each media part as ``{"type": modality}``; one
+        that prints content as a string gets the text parts joined by newlines (vLLM's two
+        content formats; vLLM would add a multimodal model's placeholder text, unknown here).
+
+        Args:
+            tools: For chat messages: tool definitions (mappings, e.g. OpenAI's ``{"type":
+                "function", "function": {...}}``) the template renders. Never canonicalized.
+            chat_template_kwargs: For chat messages: more variables for the template (e.g.
+                ``{"enable_thinking": False}``); string keys, none of the arguments the gateway
+                sets itself (``tools``, ``tokenize``, ``add_generation_prompt``, ``chat_template``,
+                ``conversation``, ``messages``, ``return_dict``).
+
         Raises:
-            InvalidRequest: Malformed prompt, tenant, request id or sampling parameters.
+            InvalidRequest: Malformed prompt, tenant, request id, sampling parameters, tools or
+                template arguments; tools or template arguments with a prompt that is not chat
+                messages; a template that fails to render.
             PromptTooLong: Far more characters (or tokens) than the model allows.
         """
+        tools, chat_template_kwargs = check_template_args(tools, chat_template_kwargs)
         tenant = self._check_tenant(tenant)
         if request_id is None:
             request_id = f"{self._id_prefix}{next(self._ids)}"
@@ -286,6 +341,10 @@ class Ingress:
                 prompt = bytes(prompt).decode("utf-8")
             except UnicodeDecodeError as e:
                 raise InvalidRequest(f"prompt bytes are not valid UTF-8 (at byte {e.start})") from None
+        chat = (isinstance(prompt, Sequence) and not isinstance(prompt, str | bytes) and bool(prompt)
+                and not isinstance(prompt[0], int))
+        if not chat and (tools is not None or chat_template_kwargs is not None):
+            raise InvalidRequest("tools and chat_template_kwargs apply to chat messages only")
         if isinstance(prompt, str):
             self._check_text(prompt)
             return IngressRequest(**fields, text=prompt)
@@ -299,10 +358,11 @@ class Ingress:
         if isinstance(prompt[0], int):
             return IngressRequest(**fields, token_ids=self._check_ids(prompt))
         canon = canonicalize_messages(self._check_messages(prompt), self.config.canonicalize)
-        text = self._render(canon.value)
-        return IngressRequest(**fields, text=text, add_special_tokens=False, canonical=True,
+        rendered = self.chat.render_chat(canon.value, tools, chat_template_kwargs,
+                                         max_chars=self.max_chars, max_tokens=self.max_prompt_tokens)
+        return IngressRequest(**fields, text=rendered.text, add_special_tokens=False, canonical=True,
                               canonicalized=canon.changed, chars_removed=canon.chars_removed,
-                              rules=canon.rules)
+                              rules=canon.rules, media=rendered.media, media_chars=rendered.media_chars)
 
     def _check_tenant(self, tenant: str | None) -> str | None:
         _check_name(tenant, "tenant", optional=True)
@@ -361,6 +421,11 @@ class Ingress:
                 for j, part in enumerate(content):
                     if not isinstance(part, Mapping):
                         raise InvalidRequest(f"message {i}: content part {j} must be a mapping")
+                    found = media_of(part, f"message {i}: content part {j}")
+                    if found is not None:
+                        if isinstance(found[1], str):
+                            _check_utf8(found[1], f"message {i}: content part {j}")
+                        continue
                     text = part.get("text")
                     if text is not None and not isinstance(text, str):
                         raise InvalidRequest(f"message {i}: content part {j} text must be a string")
@@ -376,13 +441,6 @@ class Ingress:
             raise PromptTooLong(f"messages have {total} characters, far over the token limit",
                                 num_tokens=None, limit=self.max_prompt_tokens)
         return messages
-
-    def _render(self, messages: list[dict[str, Any]]) -> str:
-        try:
-            return self.engine.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                             add_generation_prompt=True)
-        except Exception as e:  # templates raise anything from ValueError to Jinja's errors
-            raise InvalidRequest(f"could not render the chat template: {type(e).__name__}: {e}") from e
 
     # -- 2. anywhere: prepare -----------------------------------------------------------------
 
@@ -418,14 +476,18 @@ class Ingress:
             priority=request.priority, arrival=request.arrival,
             canonicalized=prepared.canonicalized, chars_removed=prepared.chars_removed,
             seq=next(self._seq), canonical_rules=prepared.rules,
+            media=tuple(replace(m, position=p) for m, p in
+                        zip(request.media, prepared.media_positions, strict=True)) or None,
         )
 
     def make_ticket(self, prompt: Prompt, sampling_params: Any = None, *, tenant: str | None = None,
                     request_id: str | None = None, lora_request: Any = None,
-                    priority: int = 0) -> Ticket:
+                    priority: int = 0, tools: Sequence[Mapping[str, Any]] | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> Ticket:
         """Validates, prepares (inline) and tickets one request. See :meth:`check`."""
         request = self.check(prompt, sampling_params, tenant=tenant, request_id=request_id,
-                             lora_request=lora_request, priority=priority)
+                             lora_request=lora_request, priority=priority, tools=tools,
+                             chat_template_kwargs=chat_template_kwargs)
         return self.ticket(request, self.prepare(request))
 
     def _intern(self, chain: tuple[BlockHash, ...]) -> tuple[BlockHash, ...]:

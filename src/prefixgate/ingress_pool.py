@@ -379,7 +379,8 @@ class ProcessIngressPool:
                 text = (_SPILLED, spill)
             else:
                 worker = self._choose(request)
-            message = ("prepare", (text, request.add_special_tokens, request.canonical, request.root))
+            media = tuple((c, m.identifier) for c, m in zip(request.media_chars, request.media, strict=True))
+            message = ("prepare", (text, request.add_special_tokens, request.canonical, request.root, media))
             bulk = spill is not None
             if bulk:
                 self._pauser.job_started(worker.process.pid, self._ordinary > 0)
@@ -388,7 +389,8 @@ class ProcessIngressPool:
                 if self._ordinary == 1:
                     self._pauser.pause()
             try:
-                packed, chain, changed, removed, counts, tokenize_ns = await self._call(worker, message, size)
+                packed, chain, changed, removed, counts, tokenize_ns, positions = await self._call(
+                    worker, message, size)
             finally:
                 if bulk:
                     self._pauser.job_ended()
@@ -406,7 +408,7 @@ class ProcessIngressPool:
         else:
             rules = {name: RuleCount(*count) for name, count in counts.items()}
         keys: Sequence[BlockHash] = array("Q", chain)  # type: ignore[assignment]
-        return Prepared(ids_from_bytes(packed), tuple(keys), changed, removed, rules)
+        return Prepared(ids_from_bytes(packed), tuple(keys), changed, removed, rules, positions)
 
     def _kill(self, worker: _Worker) -> None:
         with contextlib.suppress(ProcessLookupError):

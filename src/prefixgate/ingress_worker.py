@@ -7,8 +7,10 @@ tokenizer's Rust core as JSON, the block size, the canonicalization rules, a ``n
 and probe texts, answered with the probes' token ids (both with and without special tokens) so
 the pool can check this worker against the engine's tokenizer. Then ``prepare`` jobs:
 canonicalize, tokenize, pack and key one prompt (a huge one arrives as the path of a file
-holding its UTF-8 text, which the worker deletes once read); the reply is ``(job, status, payload)``: ``ok``
-with packed token ids and packed keys (bytes: cheap to pickle) and the tokenizer's CPU time,
+holding its UTF-8 text, which the worker deletes once read) and its media items, given as
+``(character offset, identifier)`` pairs; the reply is ``(job, status, payload)``: ``ok``
+with packed token ids and packed keys (bytes: cheap to pickle), the tokenizer's CPU time and
+the media items' token positions,
 ``invalid`` (the prompt cannot be tokenized) or ``error`` (a bug in the worker) with a message.
 Exits at end of input.
 """
@@ -75,9 +77,9 @@ class _Worker:
 
     def prepare(self, args: Any) -> tuple[str, Any]:
         from .canonicalize import canonicalize_text
-        from .keys import pack_tokens
+        from .keys import media_extras, media_positions, pack_tokens
 
-        text, special, canonical, root = args
+        text, special, canonical, root, media = args
         if isinstance(text, tuple):  # ("spilled", path): a huge prompt the pool wrote to a file
             with open(text[1], "rb") as f:
                 data = f.read()
@@ -98,8 +100,17 @@ class _Worker:
             packed = pack_tokens(ids)
         except ValueError as e:
             return "invalid", f"invalid token ids: {e}"
-        keys = array("Q", self.chains.chain(packed, root)).tobytes()
-        return "ok", (packed, keys, changed, removed, counts, tokenize_ns)
+        positions: tuple[int, ...] = ()
+        extras = None
+        if media:
+            try:
+                positions = media_positions(text, ids, [c for c, _ in media], self.encode, special)
+            except Exception as e:
+                return "invalid", f"could not tokenize the prompt: {type(e).__name__}: {e}"
+            extras = media_extras([(p, i) for p, (_, i) in zip(positions, media, strict=True)],
+                                  self.chains.block_size)
+        keys = array("Q", self.chains.chain(packed, root, extras)).tobytes()
+        return "ok", (packed, keys, changed, removed, counts, tokenize_ns, positions)
 
 
 def main() -> None:

@@ -14,6 +14,14 @@ are computed once, at ingress, and carried on the ticket; nothing downstream re-
 re-hashes. Because a key stands for its whole prefix, two chains agree on key *i* iff they agree
 on every key before it: the longest common prefix of two chains is found by binary search.
 
+A multimodal prompt's media items are folded in as vLLM folds them: vLLM's
+``generate_block_hash_extra_keys`` (``vllm/v1/core/kv_cache_utils.py``) adds ``("mm", mm_hash,
+offset in block)`` to each block that an item's placeholder tokens fall in. Here the block
+holding an item's position is hashed over its tokens followed by the item's 16-byte identifier
+and its 4-byte offset in the block (:func:`media_extras`). Through the chain every later block
+differs too, so prompts with equal text and other media share only the blocks before the first
+item's block.
+
 Hot path: packing token ids is one C call, hashing one C call per block. :class:`ChainCache`
 skips even that for the blocks a prompt shares with a recent sibling (same namespace and first
 block): it compares packed bytes (a ``memcmp``) and reuses the sibling's keys, the same ``int``
@@ -26,14 +34,14 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
 import xxhash
 
 __all__ = ["BlockHash", "ChainCache", "Namespace", "block_hashes", "cacheable_blocks", "chain_hashes",
-           "common_prefix", "pack_tokens", "resident_prefix"]
+           "common_prefix", "media_extras", "media_positions", "pack_tokens", "resident_prefix"]
 
 BlockHash = NewType("BlockHash", int)
 """A 64-bit xxh3 digest identifying one full block and, through its parent, every block before it."""
@@ -99,8 +107,62 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def media_extras(media: Sequence[tuple[int, str]], block_size: int, *, start: int = 0) -> dict[int, bytes]:
+    """The extra bytes each block's key is hashed over, for a prompt's media items.
+
+    Args:
+        media: ``(token position, identifier)`` per item; the identifier is a 32-digit hex
+            xxh3-128 digest (:class:`~prefixgate.engine.Media`).
+        block_size: Tokens per block.
+        start: Leave out blocks before this one and number the rest from it (for
+            :func:`chain_hashes` with ``start`` blocks already known).
+
+    Returns:
+        Block index -> the identifiers and in-block offsets of the items in that block, in order.
+
+    Raises:
+        ValueError: If a position is negative or an identifier is not 32 hex digits.
+    """
+    extras: dict[int, bytes] = {}
+    for position, identifier in media:
+        if position < 0:
+            raise ValueError(f"media position must be >= 0, got {position}")
+        block, offset = divmod(position, block_size)
+        if block < start:
+            continue
+        block -= start
+        extras[block] = extras.get(block, b"") + bytes.fromhex(identifier) + offset.to_bytes(4, "little")
+    return extras
+
+
+def media_positions(text: str, token_ids: Sequence[int], chars: Sequence[int],
+                    encode: Callable[[str, bool], Sequence[int]],
+                    add_special_tokens: bool) -> tuple[int, ...]:
+    """The token position of each media item of a rendered prompt, from its character offset.
+
+    An item at character ``c`` sits at the first token where the prompt's tokens and those of
+    ``text[:c]`` part: every token before it spells only text before the item.
+
+    Args:
+        text: The rendered prompt.
+        token_ids: Its token ids.
+        chars: Each media item's character offset in ``text``.
+        encode: The tokenizer call that gave ``token_ids``.
+        add_special_tokens: As given to ``encode`` for ``text``.
+    """
+    out: list[int] = []
+    for c in chars:
+        prefix = list(encode(text[:c], add_special_tokens)) if c else []
+        n = min(len(prefix), len(token_ids))
+        i = 0
+        while i < n and prefix[i] == token_ids[i]:
+            i += 1
+        out.append(i)
+    return tuple(out)
+
+
 def chain_hashes(data: bytes, block_size: int, parent: int, *, start: int = 0,
-                 stop: int | None = None) -> list[BlockHash]:
+                 stop: int | None = None, extras: Mapping[int, bytes] | None = None) -> list[BlockHash]:
     """Keys of the full blocks ``start, start+1, …`` of packed tokens ``data``.
 
     Args:
@@ -109,6 +171,7 @@ def chain_hashes(data: bytes, block_size: int, parent: int, *, start: int = 0,
         parent: The key of block ``start - 1``, or the namespace root when ``start`` is 0.
         start: The first block to hash.
         stop: One past the last block to hash; every full block when ``None``.
+        extras: Bytes hashed after a block's tokens, by block index (:func:`media_extras`).
     """
     stride = block_size * _TOKEN_WIDTH
     full = len(data) // stride
@@ -116,6 +179,12 @@ def chain_hashes(data: bytes, block_size: int, parent: int, *, start: int = 0,
     out: list[BlockHash] = []
     append = out.append
     digest = _digest
+    if extras:
+        for block in range(start, stop):
+            offset = block * stride
+            parent = digest(data[offset : offset + stride] + extras.get(block, b""), parent)
+            append(parent)  # type: ignore[arg-type]
+        return out
     for offset in range(start * stride, stop * stride, stride):
         parent = digest(data[offset : offset + stride], parent)
         append(parent)  # type: ignore[arg-type]
@@ -124,7 +193,7 @@ def chain_hashes(data: bytes, block_size: int, parent: int, *, start: int = 0,
 
 def block_hashes(
     token_ids: Sequence[int], block_size: int, namespace: Namespace, *, seed: int = 0,
-    known: Sequence[BlockHash] = (),
+    known: Sequence[BlockHash] = (), media: Sequence[tuple[int, str]] = (),
 ) -> tuple[BlockHash, ...]:
     """Hashes every full block of ``token_ids`` into a chain.
 
@@ -135,6 +204,7 @@ def block_hashes(
         seed: The seed of the namespace root (config ``key_seed``).
         known: Keys already computed for the leading blocks of ``token_ids`` (a prompt's, when
             extending the chain over its output); they are reused, not recomputed.
+        media: ``(token position, identifier)`` of each media item (:func:`media_extras`).
 
     Returns:
         One hash per *full* block, in order; a trailing partial block gets none.
@@ -147,7 +217,8 @@ def block_hashes(
     skip = len(known)
     data = pack_tokens(token_ids[skip * block_size :])
     parent = known[-1] if known else namespace.root(seed)
-    return (*known, *chain_hashes(data, block_size, parent))
+    extras = media_extras(media, block_size, start=skip)
+    return (*known, *chain_hashes(data, block_size, parent, extras=extras))
 
 
 def common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash], limit: int | None = None) -> int:
@@ -222,12 +293,18 @@ class ChainCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def chain(self, data: bytes, root: BlockHash) -> tuple[BlockHash, ...]:
-        """The key chain of packed tokens ``data`` under ``root``, reusing a sibling's keys."""
+    def chain(self, data: bytes, root: BlockHash,
+              extras: Mapping[int, bytes] | None = None) -> tuple[BlockHash, ...]:
+        """The key chain of packed tokens ``data`` under ``root``, reusing a sibling's keys.
+
+        A prompt with media (``extras``, :func:`media_extras`) is hashed in full, and not kept.
+        """
         stride = self._stride
         full = len(data) // stride
         if full == 0:
             return ()
+        if extras:
+            return tuple(chain_hashes(data, self.block_size, root, extras=extras))
         key = (root, data[:stride])
         with self._lock:
             entry = self._entries.get(key)

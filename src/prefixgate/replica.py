@@ -18,7 +18,7 @@ from .clock import Clock, MonotonicClock
 from .config import GatewayConfig
 from .engine import Engine, completion_reader, engine_slots
 from .errors import EngineDead, EngineStalled, PrefixgateError
-from .keys import chain_hashes, pack_tokens
+from .keys import chain_hashes, media_extras, pack_tokens
 from .mirror import PrefixMirror
 from .tickets import Ticket
 
@@ -170,7 +170,9 @@ class Replica:
         if len(rest) + len(ticket.output_token_ids) - 1 >= size:
             root = known[-1] if known else ticket.namespace.root(self.config.key_seed)
             tail = pack_tokens(rest) + pack_tokens(ticket.output_token_ids[:-1])
-            known = (*known, *chain_hashes(tail, size, root))
+            extras = media_extras([(m.position, m.identifier) for m in ticket.media or ()
+                                   if m.position is not None], size, start=len(known))
+            known = (*known, *chain_hashes(tail, size, root, extras=extras))
         self.mirror.insert(known)
 
     def __repr__(self) -> str:

@@ -22,6 +22,7 @@ order::
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,10 +48,22 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i - 2 for i in ids if i >= 2).decode("utf-8", "replace")
 
-    def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]], *, tokenize: bool,
-                            add_generation_prompt: bool) -> Any:
-        text = "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in conversation)
-        text += "<assistant>" if add_generation_prompt else ""
+    def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]], *,
+                            tools: Sequence[Mapping[str, Any]] | None = None, tokenize: bool,
+                            add_generation_prompt: bool, **kwargs: Any) -> Any:
+        """``<tools>[...]`` (JSON) when there are tools, then ``<role>content`` per message
+        (content parts: their text, ``<image>`` and the like for media), then ``<assistant>``
+        and, per template variable, ``<name=value>`` (JSON)."""
+        text = f"<tools>{json.dumps(list(tools))}\n" if tools else ""
+        for m in conversation:
+            content = m.get("content") or ""
+            if not isinstance(content, str):
+                content = "".join(p["text"] if p.get("type", "text") == "text" else f"<{p['type']}>"
+                                  for p in content)
+            text += f"<{m['role']}>{content}\n"
+        if add_generation_prompt:
+            text += "<assistant>"
+            text += "".join(f"<{k}={json.dumps(v)}>" for k, v in kwargs.items())
         return self.encode(text) if tokenize else text
 
 
@@ -90,7 +103,8 @@ class FakeEngine:
     ``output_time`` seconds on ``clock`` if both are set, else for ``step`` (an
     ``asyncio.Event`` tests can hold), else yields to the loop once. ``max_num_seqs`` is only
     reported (the gateway sizes its window and counts the engine's backlog from it); the fake
-    runs every request at once.
+    runs every request at once. A request's media are kept (``requests``) but not keyed: the
+    toy cache sees only tokens (the faithful keying is :class:`prefixgate.sim.SimEngine`'s).
 
     Attributes:
         running: Request ids currently generating.

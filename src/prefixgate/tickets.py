@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .canonicalize import RuleCount
+from .engine import Media
 from .errors import Outcome, PrefixgateError
 from .keys import BlockHash, Namespace
 
@@ -66,6 +67,8 @@ class Ticket:
         predicted_wait: Raw predicted queue wait when it joined a non-empty queue.
         cached_tokens: Cache-hit tokens the engine reported.
         output_token_ids: Its output's token ids, once completed (when the engine gives them all).
+        media: A multimodal prompt's media items with their token positions, passed to the
+            engine; ``None`` for text.
         failure: Why the gateway ended it before the engine saw it.
         kill: Why the gateway is ending it while the engine has it (stall, shutdown).
         queue_key: The ordering policy's key, fixed when it is queued.
@@ -106,6 +109,7 @@ class Ticket:
     kill: PrefixgateError | None = field(default=None, repr=False)
     task: asyncio.Task[Any] | None = field(default=None, repr=False)
     in_engine: bool = field(default=False, repr=False)
+    media: tuple[Media, ...] | None = field(default=None, repr=False)
 
     # -- lifecycle: the only writers of state, outcome, timings and predictions ---------------
 

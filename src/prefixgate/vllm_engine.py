@@ -5,6 +5,13 @@ Works on vLLM 0.26 through 0.32 through their public surface only: ``generate`` 
 ``abort``, ``get_tokenizer``, ``vllm_config`` and a ``StatLoggerBase`` factory for per-step KV
 stats. Engine exceptions are translated here into prefixgate's error types.
 
+A multimodal request's media (URLs or encoded bytes) are loaded here with vLLM's own
+``MediaConnector``, as vLLM's chat path loads them, and given to vLLM as ``multi_modal_data``
+beside the token ids: vLLM's processor expands the placeholders the chat template rendered and
+hashes the media for its prefix cache itself. A text-only model takes no media: vLLM fails such
+a request (an opaque ``EngineGenerateError`` on 0.32), so it is refused here first with
+``InvalidRequest``.
+
 vLLM is imported lazily: importing prefixgate never imports vLLM.
 """
 
@@ -20,6 +27,7 @@ from .clock import Clock, MonotonicClock
 from .engine import (
     EngineRequest,
     KvStats,
+    Media,
     SamplingCheck,
     Tokenizer,
     check_max_tokens,
@@ -30,9 +38,48 @@ from .errors import EngineDead, EngineError, InvalidRequest, Overloaded, Prefixg
 if TYPE_CHECKING:  # pragma: no cover
     from vllm import AsyncEngineArgs
 
-__all__ = ["VllmEngine"]
+__all__ = ["VllmEngine", "load_media", "tokens_prompt"]
 
 log = logging.getLogger(__name__)
+
+
+async def load_media(media: tuple[Media, ...], connector: Any = None) -> dict[str, list[Any]]:
+    """vLLM's ``multi_modal_data`` for ``media``: each item loaded by vLLM's ``MediaConnector``
+    (``fetch_image_async`` and the like; encoded bytes as a ``data:`` URL), by modality, in order.
+
+    Raises:
+        InvalidRequest: If an item cannot be fetched or decoded.
+    """
+    import base64
+
+    if connector is None:
+        from vllm.multimodal.media.connector import MediaConnector
+
+        connector = MediaConnector()
+    data: dict[str, list[Any]] = {}
+    for i, item in enumerate(media):
+        url = item.data
+        if isinstance(url, bytes):
+            url = f"data:application/octet-stream;base64,{base64.b64encode(url).decode('ascii')}"
+        try:
+            loaded = await getattr(connector, f"fetch_{item.modality}_async")(url)
+        except Exception as e:  # network errors, undecodable data, unsupported URLs
+            raise InvalidRequest(f"could not load media item {i} ({item.modality}): "
+                                 f"{type(e).__name__}: {e}") from e
+        data.setdefault(item.modality, []).append(loaded)
+    return data
+
+
+def tokens_prompt(request: EngineRequest, multi_modal_data: Mapping[str, list[Any]] | None = None
+                  ) -> dict[str, Any]:
+    """vLLM's ``TokensPrompt`` for ``request``: token ids, cache salt and, for a multimodal
+    request, ``multi_modal_data`` (from :func:`load_media`)."""
+    prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_token_ids)}
+    if multi_modal_data:
+        prompt["multi_modal_data"] = dict(multi_modal_data)
+    if request.cache_salt is not None:
+        prompt["cache_salt"] = request.cache_salt
+    return prompt
 
 
 class _KvStatsFeed:
@@ -139,6 +186,8 @@ class VllmEngine:
         self._max_model_len = int(cfg.model_config.max_model_len)
         self._max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
         self._model_name = str(cfg.model_config.served_model_name or cfg.model_config.model)
+        self._multimodal = bool(getattr(cfg.model_config, "is_multimodal_model", False))
+        self._connector: Any = None
         self._tokenizer = engine.get_tokenizer()
         self._feed = feed or _KvStatsFeed(self._num_blocks, clock or MonotonicClock())
         self._consumers: dict[str, _Live] = {}  # request id -> the task streaming it
@@ -203,6 +252,11 @@ class VllmEngine:
         return self._max_model_len
 
     @property
+    def multimodal(self) -> bool:
+        """Whether the model takes media (vLLM's ``model_config.is_multimodal_model``)."""
+        return self._multimodal
+
+    @property
     def max_num_seqs(self) -> int:
         """The most requests vLLM runs at once (the gateway's default in-flight window)."""
         return self._max_num_seqs
@@ -265,7 +319,9 @@ class VllmEngine:
         except ImportError:  # pragma: no cover - older vLLM
             tokens_input = None
         prompt: Any
-        if tokens_input is not None:
+        if request.media:
+            prompt = await self._media_prompt(request)
+        elif tokens_input is not None:
             prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt)
         else:  # pragma: no cover - older vLLM
             prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
@@ -315,6 +371,36 @@ class VllmEngine:
                 del self._consumers[request.request_id]
             if not finished and not self._shut_down and not self._engine.errored:
                 await self._engine.abort(request.request_id)
+
+    async def _media_prompt(self, request: EngineRequest) -> Any:
+        """The engine input of a multimodal request: its ``TokensPrompt`` with the loaded media,
+        through vLLM's renderer (``render_cmpl_async``, which runs the model's processor) where
+        vLLM has one, else as the raw prompt dict.
+
+        Raises:
+            InvalidRequest: The model is text-only, or a media item cannot be loaded.
+        """
+        if not self._multimodal:
+            raise InvalidRequest(f"{self._model_name} is a text-only model: vLLM takes no media "
+                                 f"for it ({len(request.media or ())} item(s) in {request.request_id})")
+        if self._connector is None:
+            from vllm.multimodal.media.connector import MediaConnector
+
+            self._connector = MediaConnector()
+        prompt = tokens_prompt(request, await load_media(request.media or (), self._connector))
+        renderer = getattr(self._engine, "renderer", None)
+        render = getattr(renderer, "render_cmpl_async", None)
+        if render is None:  # pragma: no cover - vLLM before the renderer: the raw prompt dict
+            return prompt
+        try:
+            from vllm.inputs import parse_model_prompt  # type: ignore[attr-defined]
+        except ImportError:  # vLLM 0.32 keeps it here
+            from vllm.renderers.inputs.preprocess import parse_model_prompt
+        try:
+            (engine_input,) = await render([parse_model_prompt(self._engine.model_config, prompt)])
+        except Exception as e:  # the model's processor refuses the prompt or its media
+            raise InvalidRequest(f"vLLM refused {request.request_id}: {type(e).__name__}: {e}") from e
+        return engine_input
 
     async def abort(self, request_id: str) -> None:
         if not self._engine.errored:

@@ -121,7 +121,9 @@ def _positive_int(name: str, value: Any) -> int:
 class SimEngine:
     """An :class:`~prefixgate.engine.Engine` that simulates vLLM v1 on :attr:`clock`.
 
-    Generation emits token ``7`` ``max_tokens`` times (EOS is ignored). Outputs are
+    Generation emits token ``7`` ``max_tokens`` times (EOS is ignored). A request's media
+    items are not loaded; the blocks they sit in are keyed on their identifiers, as the gateway
+    and vLLM key them. Outputs are
     :class:`~prefixgate.testing.FakeOutput` objects, cumulative unless the sampling parameters
     ask for ``output_kind`` ``DELTA`` or ``FINAL_ONLY``; a slow consumer gets the latest state
     (vLLM coalesces the same way). Requests added or aborted while a step runs take effect at
@@ -254,9 +256,10 @@ class SimEngine:
         namespace = Namespace(self._model_name, lora, request.cache_salt or None)
         max_tokens = check.max_tokens if check.max_tokens is not None else self.max_model_len - n
         try:
+            media = [(m.position, m.identifier) for m in request.media or () if m.position is not None]
             sim_request = SimRequest(request.request_id, prompt, max_tokens, namespace,
                                      reads_cache=check.reads_cache, block_size=self.block_size,
-                                     hash_prompt=self._core.enable_caching)
+                                     hash_prompt=self._core.enable_caching, media=media)
         except ValueError as e:
             raise InvalidRequest(f"bad prompt token ids: {e}") from None
         kind = getattr(getattr(request.sampling_params, "output_kind", None), "name", "CUMULATIVE")

@@ -26,11 +26,14 @@ class LoopCost:
     Attributes:
         request: vLLM's frontend, per request (adding it; its first output).
         output: vLLM's frontend and the client, per further output.
+        request_token: vLLM's frontend, per prompt token (of token ids it is handed).
         prompt_token: Tokenizing a text prompt on the loop, per token (what a bare client that
             tokenizes before calling the engine spends; prefixgate tokenizes in workers).
         gateway_request: prefixgate's own work on the loop, per request (checks, keys, queue,
             dispatch, completion; ingress in worker processes).
         gateway_output: prefixgate's own work on the loop, per output it passes on.
+        gateway_token: prefixgate's own work on the loop, per prompt token (receiving a worker's
+            token ids and keys).
 
     Raises:
         ValueError: If a cost is negative or not finite.
@@ -38,12 +41,15 @@ class LoopCost:
 
     request: float = 0.0
     output: float = 0.0
+    request_token: float = 0.0
     prompt_token: float = 0.0
     gateway_request: float = 0.0
     gateway_output: float = 0.0
+    gateway_token: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("request", "output", "prompt_token", "gateway_request", "gateway_output"):
+        for name in ("request", "output", "request_token", "prompt_token", "gateway_request",
+                     "gateway_output", "gateway_token"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
                 raise ValueError(f"LoopCost.{name} must be a finite number >= 0, got {value!r}")

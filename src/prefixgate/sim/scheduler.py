@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -214,15 +215,18 @@ class SimRequest:
         reads_cache: Whether the request looks up the prefix cache.
         block_size: Tokens per block, for hashing the prompt.
         hash_prompt: Whether to hash the prompt now (off when caching is disabled).
+        media: ``(token position, identifier)`` of each media item: the blocks they fall in are
+            keyed on them too, as vLLM keys them (:func:`~prefixgate.keys.media_extras`).
     """
 
-    __slots__ = ("blocks", "finish_reason", "finished", "hashes", "max_tokens", "namespace",
+    __slots__ = ("blocks", "finish_reason", "finished", "hashes", "max_tokens", "media", "namespace",
                  "num_cached_blocks", "num_cached_tokens", "num_computed", "num_output", "num_preemptions",
                  "num_prompt_tokens", "num_tokens", "prompt", "reads_cache", "request_id", "status",
                  "stream")
 
     def __init__(self, request_id: str, prompt: tuple[int, ...], max_tokens: int, namespace: Namespace,
-                 *, reads_cache: bool = True, block_size: int = 16, hash_prompt: bool = True) -> None:
+                 *, reads_cache: bool = True, block_size: int = 16, hash_prompt: bool = True,
+                 media: Sequence[tuple[int, str]] = ()) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.num_prompt_tokens = len(prompt)
@@ -234,7 +238,8 @@ class SimRequest:
         self.num_computed = 0
         self.blocks: list[int] = []
         self.num_cached_blocks = 0
-        self.hashes: list[BlockHash] = (list(block_hashes(prompt, block_size, namespace))
+        self.media = tuple(media)
+        self.hashes: list[BlockHash] = (list(block_hashes(prompt, block_size, namespace, media=self.media))
                                         if hash_prompt else [])
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
@@ -248,7 +253,7 @@ class SimRequest:
         if len(self.hashes) < num_blocks:
             tokens = self.prompt + (OUTPUT_TOKEN,) * self.num_output
             self.hashes = list(block_hashes(tokens[: num_blocks * block_size], block_size, self.namespace,
-                                            known=self.hashes))
+                                            known=self.hashes, media=self.media))
 
     def __repr__(self) -> str:
         return (f"SimRequest({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
