@@ -41,6 +41,7 @@ from .policies import AdmissionGate
 from .queueing import Scheduler
 from .ratelimit import RateLimiter, TenantThrottles
 from .replica import Replica
+from .shedding import LoadShedder
 from .statistics import StatsRecorder
 from .streaming import ResponseStream
 from .tickets import Ticket, TicketState
@@ -73,6 +74,7 @@ class Dispatcher:
         live: Request ids of streams not yet ended, with their ticket once prepared.
         closing: The gateway is closing: nothing more is admitted.
         throttles: Per-tenant rate limiters.
+        shedder: Refuses what would wait too long; prices refusals' ``retry_after``.
     """
 
     def __init__(self, replica: Replica, scheduler: Scheduler, *, config: GatewayConfig, clock: Clock,
@@ -88,6 +90,8 @@ class Dispatcher:
         self.live: dict[str, Ticket | None] = {}
         self.closing = False
         self.throttles = TenantThrottles(config.tenants, config.default_tenant_limits, clock)
+        self.shedder = LoadShedder(scheduler, replica.admission, slots=replica.slots,
+                                   max_queue_wait=config.max_queue_wait)
         self._pump_scheduled = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -131,41 +135,6 @@ class Dispatcher:
                                "for its tenant's rate")
         acquire.result()
 
-    def _ahead(self) -> int:
-        """Requests a new arrival would wait behind: the gateway's queue plus those in flight
-        beyond the engine's ``max_num_seqs``, which wait in the engine's own queue."""
-        slots = self.replica.slots
-        running = len(self.scheduler.running)
-        backlog = max(0, running - slots) if slots else 0
-        return self.scheduler.num_waiting + backlog
-
-    def overloaded(self, reason: Reason) -> Overloaded:
-        """An ``Overloaded`` refusal for ``reason``, its ``retry_after`` the predicted wait."""
-        wait = self.replica.admission.estimated_wait(self._ahead())
-        return Overloaded(f"engine is full ({reason})", retry_after=wait if wait is not None else 1.0,
-                          reason=reason)
-
-    def _check_load(self, ticket: Ticket) -> None:
-        """Refuses at once what would wait too long (``max_queue_wait``) or cannot be served;
-        notes the raw predicted wait of a ticket that joins a queue, to calibrate the estimate."""
-        blocked = self.scheduler.blocked
-        if blocked is Reason.KV_STATS_STALE and self.scheduler.num_waiting:
-            raise self.overloaded(Reason.KV_STATS_STALE)
-        if blocked is None:
-            # The last pump emptied our queue: this request is dispatched next. Requests may
-            # still wait in the engine's queue, but counting them here refused 6% of W1 at 0.8x
-            # load (sim) on transient bursts the engine absorbs.
-            return
-        ahead = self._ahead()
-        ticket.predict_wait(self.replica.admission.raw_wait(ahead))
-        bound = self.config.max_queue_wait
-        if bound is None:
-            return
-        wait = self.replica.admission.estimated_wait(ahead)
-        if wait is not None and wait > bound:
-            raise Overloaded(f"predicted queue wait {wait:.2f} s exceeds {bound} s",
-                             retry_after=wait - bound, reason=Reason.PREDICTED_WAIT)
-
     async def admit(self, ticket: Ticket) -> None:
         """Consults the admission policy, rate-limits, load-checks and queues ``ticket`` (the
         blocking path)."""
@@ -180,7 +149,7 @@ class Dispatcher:
                                       retry_after=throttle.retry_after(), reason=Reason.RATE_LIMITED)
                 await self._wait_for_rate(throttle, ticket)
                 self.check_open()
-            self._check_load(ticket)
+            self.shedder.check(ticket)
             try:
                 self.scheduler.enqueue(ticket)
             except QueueFull:
@@ -218,7 +187,7 @@ class Dispatcher:
 
     def _dispatch_now(self, ticket: Ticket) -> None:
         if self.scheduler.num_waiting:
-            raise self.overloaded(Reason.QUEUED_AHEAD)
+            raise self.shedder.overloaded(Reason.QUEUED_AHEAD)
         throttle = self.throttles.get(ticket.tenant)
         if throttle is not None and throttle.retry_after() > 0:
             raise RateLimited(f"tenant {ticket.tenant!r} is over its request rate",
@@ -231,7 +200,7 @@ class Dispatcher:
             self.scheduler.finish(ticket)
             if ticket.failure is not None:
                 raise ticket.failure
-            raise self.overloaded(self.scheduler.blocked or Reason.KV_RESERVED)
+            raise self.shedder.overloaded(self.scheduler.blocked or Reason.KV_RESERVED)
         if throttle is not None:
             throttle.try_acquire()  # only a request that runs uses up a slot of the rate
 
@@ -404,7 +373,7 @@ class Dispatcher:
             self._on_dead(e)
             raise
         except Overloaded as e:  # the engine's own admission limit (vLLM's max_num_queued_reqs)
-            refusal = self.overloaded(Reason.ENGINE_BUSY) if e.reason is Reason.ENGINE_BUSY else e
+            refusal = self.shedder.overloaded(Reason.ENGINE_BUSY) if e.reason is Reason.ENGINE_BUSY else e
             ticket.end(refusal.outcome)
             if refusal is e:
                 raise
