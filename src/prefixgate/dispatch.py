@@ -1,12 +1,13 @@
 """Stage 5: the dispatcher, the async shell that carries out the scheduler's decisions.
 
-A prepared ticket is admitted here (its tenant's rate, load shedding, the bounded queue), waits
-for the scheduler to dispatch it (the pump runs once per loop iteration, so a burst is ordered as
-one), and is served: the engine's outputs stream to the caller unchanged, and however the stream
-ends (completion, error, the consumer cancelled or closed it, the engine stalled or died, the
-gateway closed) the ticket's reservations are released and, if the engine had it, the engine
-request is aborted. The decisions themselves are made by the pure stages (queueing.py,
-admission.py); the replica (replica.py) holds the engine and what the gateway knows of it.
+A prepared ticket is admitted here (the admission policy, its tenant's rate, load shedding in
+shedding.py, the bounded queue), waits for the scheduler to dispatch it (the pump runs once per
+loop iteration, so a burst is ordered as one), and is served: the engine's outputs stream to the
+caller unchanged, and however the stream ends (completion, error, the consumer cancelled or
+closed it, the engine stalled or died, the gateway closed) the ticket's reservations are released
+and, if the engine had it, the engine request is aborted. The decisions themselves are made by
+the pure stages (queueing.py, admission.py, shedding.py); the replica (replica.py) holds the
+engine and what the gateway knows of it.
 
 Nothing waits unbounded: a decision that fails fails only its own ticket; a dead engine fails
 every queued request at once; aborts are bounded in time and their errors logged, not raised.
