@@ -105,13 +105,16 @@ class SimProfile:
 
 # vLLM 0.26, H200, Llama-3-8B shape: 52,548 blocks at 0.85 memory; AsyncLLMEngine defaults
 # (ENGINE_CONTEXT: 128 seqs, 2048 batched tokens). Step time and loop costs fitted on the H200 by
-# `python -m benchmarks.gpu_suite --part fit --no-detokenize` (results/gpu/fit-step-h200-8b.json:
-# R^2 0.9995 over 914 steps; the loop's costs with detokenize off, as the H200 benchmarks run);
-# refit offline with `python -m benchmarks.fit_step_model --from-json` on that file.
+# `python -m benchmarks.gpu_suite --part fit --shapes 8b --no-detokenize`
+# (results/gpu/fit-step-h200-8b.json: R^2 0.9994 over 949 steps; the loop's costs with detokenize
+# off, as the H200 benchmarks run; an earlier run of the same command read gateway_request 375 us,
+# so take the loop's figures as +-50%); refit offline with
+# `python -m benchmarks.fit_step_model --from-json results/gpu/fit-step-h200-8b.json`.
 _H200_8B = SimProfile(16, 52_548, 128, 2048, 16_384,
-                      (4.705e-3, 2.001e-5, 1.569e-5, 3.041e-8, 9.232e-10, 9.462e-6, 0.0),
-                      MappingProxyType({"request": 203.6e-6, "output": 16.6e-6, "prompt_token": 1.01e-6,
-                                        "gateway_request": 375.3e-6, "gateway_output": 4.6e-6}))
+                      (4.720e-3, 2.094e-5, 1.700e-5, 3.333e-8, 9.490e-10, 0.0, 0.0),
+                      MappingProxyType({"request": 294.4e-6, "output": 22.6e-6, "request_token": 0.107e-6,
+                                        "prompt_token": 0.700e-6, "gateway_request": 182.3e-6,
+                                        "gateway_output": 10.1e-6, "gateway_token": 0.051e-6}))
 # The same for the Llama-3.2-1B shape (results/gpu/fit-step-h200-1b.json: R^2 0.988 over 982 steps;
 # 257,189 blocks at 0.9 memory).
 _H200_1B = SimProfile(16, 257_189, 128, 2048, 16_384,

@@ -56,7 +56,7 @@ class _Doc(_Structure, _Paragraphs):
             if gap >= 5:
                 return  # the item starts with indented code
             spaced = m is not None and ("  " in m.group() or "\t" in m.group())
-            if spaced and self.continues(le, _columns(body[:indent], 4)):
+            if m is not None and spaced and self.continues(le, _columns(body[:indent], 4)):
                 lead = m.end()  # the markers' spacing sets where the item's content starts
         runs = [m for m in (_WS_RUN if c.tabs else _SPACE_RUN).finditer(body, lead, content_end)
                 ] if c.inner_spaces or c.tabs else []

@@ -85,11 +85,11 @@ def _sites(doc: _Doc, every_line: bool) -> tuple[list[int], list[int]]:
 
 def _canonical(text: str, config: CanonicalizeConfig, counts: _Counts, every_line: bool = False) -> str:
     if config.newlines and "\r" in text:
-        lf, breaks = _lf(text)
+        lf, n_breaks = _lf(text)
         n_crlf = len(text) - len(lf)
-        counts.add(Rule.NEWLINES, breaks, breaks + n_crlf, n_crlf)
+        counts.add(Rule.NEWLINES, n_breaks, n_breaks + n_crlf, n_crlf)
         text = lf
-    view, removed = text, []
+    view, removed = text, list[int]()
     if (config.unicode_spaces or config.zero_width) and not text.isascii():
         view, removed = _char_view(text, config)
     doc = _Doc(text, view, removed, config, counts)

@@ -116,11 +116,11 @@ def _quote_spans(line: str, dq: bool, bt: int) -> tuple[list[tuple[int, int]], b
         spans.append((0, close + 1))
         pos = close + 1
     elif bt:
-        m = _backtick_run(line, bt, 0)
-        if m < 0:
+        end = _backtick_run(line, bt, 0)
+        if end < 0:
             return [(0, n)], False, bt
-        spans.append((0, m))
-        pos = m
+        spans.append((0, end))
+        pos = end
     while True:
         m = _QUOTE.search(line, pos)
         if m is None:
