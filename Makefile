@@ -2,6 +2,7 @@
 #   make demo   prefixgate vs bare vLLM on an embedded CPU engine, side by side
 #   make test   the test suite, real-vLLM integration tests included
 #   make bench  the CPU benchmark pass (see README)
+#   make lint   ruff, and mypy --strict on src/ (configured in pyproject.toml)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -47,6 +48,7 @@ bench: setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(PY) -m mypy
 
 fixture: $(VENV)/.vllm-stamp
 	$(PY) tests/fixtures/make_tiny_model.py $(MODEL)

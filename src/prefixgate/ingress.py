@@ -20,7 +20,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import xxhash
 
@@ -198,7 +198,8 @@ def fast_encoder(tokenizer: Any) -> Encode | None:
         return None
 
     def encode(text: str, add_special_tokens: bool) -> list[int]:
-        return batch([text], add_special_tokens=add_special_tokens)[0].ids
+        ids: list[int] = batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return ids
 
     probes = ("Hello world", "  two  spaces\tand a tab\n\nnew paragraph", "déjà vu — ünïcode ✓ 中文",
               "def f(x):\n    return x  # code", '{"key": [1, 2.5, null]}', " ", "a")
@@ -214,7 +215,8 @@ def fast_encoder(tokenizer: Any) -> Encode | None:
 
 def _plain_encoder(tokenizer: Any) -> Encode:
     def encode(text: str, add_special_tokens: bool) -> Sequence[int]:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids: Sequence[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return ids
 
     return encode
 
@@ -249,6 +251,7 @@ class Ingress:
     def __init__(self, engine: Engine, config: GatewayConfig, clock: Clock) -> None:
         self.engine = engine
         self.config = config
+        self._rules = cast(CanonicalizeConfig, config.canonicalize)  # a name is resolved by config
         self.clock = clock
         self.model = config.model_name or engine.model_name
         self.block_size = engine.block_size
@@ -357,7 +360,7 @@ class Ingress:
                                  f"non-empty list of chat messages; got {type(prompt).__name__}")
         if isinstance(prompt[0], int):
             return IngressRequest(**fields, token_ids=self._check_ids(prompt))
-        canon = canonicalize_messages(self._check_messages(prompt), self.config.canonicalize)
+        canon = canonicalize_messages(self._check_messages(prompt), self._rules)
         rendered = self.chat.render_chat(canon.value, tools, chat_template_kwargs,
                                          max_chars=self.max_chars, max_tokens=self.max_prompt_tokens)
         return IngressRequest(**fields, text=rendered.text, add_special_tokens=False, canonical=True,
@@ -446,8 +449,7 @@ class Ingress:
 
     def prepare(self, request: IngressRequest) -> Prepared:
         """:func:`prepare` with this gateway's tokenizer and chain cache (inline)."""
-        return prepare(request, encode=self.encode, chains=self.chains,
-                       canonicalize=self.config.canonicalize)
+        return prepare(request, encode=self.encode, chains=self.chains, canonicalize=self._rules)
 
     # -- 3. on the loop: the ticket -----------------------------------------------------------
 
@@ -514,7 +516,7 @@ class Ingress:
                 f"max_prompt_tokens={self.max_prompt_tokens})")
 
 
-def ids_from_bytes(data: bytes) -> array:
+def ids_from_bytes(data: bytes) -> array[int]:
     """Token ids packed by :func:`~prefixgate.keys.pack_tokens`, as an ``array('I')``."""
     ids = array("I")
     ids.frombytes(data)

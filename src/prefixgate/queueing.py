@@ -120,7 +120,8 @@ class WaitingQueue:
                                    and t is not ticket)
 
     def first(self) -> Ticket:
-        return self._items[0]
+        ticket: Ticket = self._items[0]
+        return ticket
 
     def oldest(self) -> Ticket:
         """The ticket that has waited longest."""
@@ -136,7 +137,8 @@ class WaitingQueue:
     def after(self, key: Any) -> Ticket:
         """The first ticket whose key is greater than ``key``, wrapping to the first."""
         i = self._items.bisect_key_right(key)
-        return self._items[i if i < len(self._items) else 0]
+        ticket: Ticket = self._items[i if i < len(self._items) else 0]
+        return ticket
 
     def __repr__(self) -> str:
         return f"WaitingQueue({type(self.policy).__name__}, len={len(self)})"
@@ -400,7 +402,8 @@ class Scheduler:
         n = len(waits)
         if not n:
             return None
-        return waits[n // 2] if n % 2 else (waits[n // 2 - 1] + waits[n // 2]) / 2
+        median: float = waits[n // 2] if n % 2 else (waits[n // 2 - 1] + waits[n // 2]) / 2
+        return median
 
     def _note_wait(self, wait: float) -> None:
         if wait < self.min_aging_wait:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .clock import Clock, MonotonicClock
@@ -188,7 +188,7 @@ class VllmEngine:
         self._model_name = str(cfg.model_config.served_model_name or cfg.model_config.model)
         self._multimodal = bool(getattr(cfg.model_config, "is_multimodal_model", False))
         self._connector: Any = None
-        self._tokenizer = engine.get_tokenizer()
+        self._tokenizer: Tokenizer = engine.get_tokenizer()
         self._feed = feed or _KvStatsFeed(self._num_blocks, clock or MonotonicClock())
         self._consumers: dict[str, _Live] = {}  # request id -> the task streaming it
         self._shut_down = False
@@ -304,25 +304,31 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        try:  # vLLM >= 0.27 raises its own client errors; 0.26 raised ValueError
-            from vllm.exceptions import VLLMClientError as ClientError
+        client_error: type[Exception] = ValueError  # vLLM 0.26 raised ValueError
+        try:  # vLLM >= 0.27 raises its own client errors
+            from vllm.exceptions import VLLMClientError
+
+            client_error = VLLMClientError
         except ImportError:  # pragma: no cover - vLLM 0.26
-            ClientError = ValueError
+            pass
         try:  # vLLM's own admission limits (max_num_queued_reqs / _tokens), where it has them
             from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError
             busy: tuple[type[BaseException], ...] = (QueueOverflowError, MaxQueuedTokensError)
         except ImportError:  # pragma: no cover - vLLM 0.26
             busy = ()
 
+        make_input: Callable[..., Any] | None = None
         try:  # vLLM's typed engine input (0.26 and 0.32): not the deprecated raw-prompt path
             from vllm.inputs import tokens_input
+
+            make_input = tokens_input
         except ImportError:  # pragma: no cover - older vLLM
-            tokens_input = None
+            pass
         prompt: Any
         if request.media:
             prompt = await self._media_prompt(request)
-        elif tokens_input is not None:
-            prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt)
+        elif make_input is not None:
+            prompt = make_input(list(request.prompt_token_ids), cache_salt=request.cache_salt)
         else:  # pragma: no cover - older vLLM
             prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
             if request.cache_salt is not None:
@@ -360,7 +366,7 @@ class VllmEngine:
         except busy as e:  # the gateway puts its own wait estimate in retry_after
             raise Overloaded(f"vLLM refused {request.request_id}: {e}", retry_after=1.0,
                              reason=Reason.ENGINE_BUSY) from e
-        except (ClientError, ValueError, TypeError) as e:
+        except (client_error, ValueError, TypeError) as e:
             if started:
                 raise EngineError(f"vLLM failed mid-stream on {request.request_id}: {e}") from e
             raise InvalidRequest(f"vLLM refused {request.request_id}: {e}") from e
