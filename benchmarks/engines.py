@@ -253,24 +253,15 @@ class _BareVllm:
 
     def __init__(self, engine_args: Any) -> None:
         from vllm import AsyncLLMEngine
-        from vllm.v1.metrics.loggers import StatLoggerBase
 
-        counter = self
+        from prefixgate.vllm_engine import stat_logger_factory
 
-        class _Preemptions(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                       engine_idx: int = 0) -> None:
-                if iteration_stats is not None:
-                    counter.preempted += getattr(iteration_stats, "num_preempted_reqs", 0) or 0
-
-            def log_engine_initialized(self) -> None:
-                pass
+        def count(scheduler_stats: Any, iteration_stats: Any) -> None:
+            if iteration_stats is not None:
+                self.preempted += getattr(iteration_stats, "num_preempted_reqs", 0) or 0
 
         self.preempted = 0
-        self._engine = AsyncLLMEngine.from_engine_args(engine_args, stat_loggers=[_Preemptions])
+        self._engine = AsyncLLMEngine.from_engine_args(engine_args, stat_loggers=[stat_logger_factory(count)])
         cfg = self._engine.vllm_config
         self.block_size = int(cfg.cache_config.block_size)
         self.num_blocks = int(cfg.cache_config.num_gpu_blocks or 0)

@@ -320,22 +320,9 @@ class _StepLog:
         self._busy = (scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs) > 0
 
     def factory(self) -> Any:
-        from vllm.v1.metrics.loggers import StatLoggerBase
+        from prefixgate.vllm_engine import stat_logger_factory
 
-        log = self
-
-        class StepLogger(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                       engine_idx: int = 0) -> None:
-                log.record(scheduler_stats, iteration_stats)
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return StepLogger
+        return stat_logger_factory(self.record)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from .errors import EngineDead, EngineError, InvalidRequest, Overloaded, Prefixg
 if TYPE_CHECKING:  # pragma: no cover
     from vllm import AsyncEngineArgs
 
-__all__ = ["VllmEngine", "load_media", "tokens_prompt"]
+__all__ = ["VllmEngine", "load_media", "stat_logger_factory", "tokens_prompt"]
 
 log = logging.getLogger(__name__)
 
@@ -120,22 +120,29 @@ class _KvStatsFeed:
 
     def logger_factory(self) -> Any:
         """A ``StatLoggerFactory`` for ``AsyncLLMEngine.from_engine_args(stat_loggers=[...])``."""
-        from vllm.v1.metrics.loggers import StatLoggerBase
+        return stat_logger_factory(self.record)
 
-        feed = self
 
-        class PrefixgateStatLogger(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                self.engine_index = engine_index
+def stat_logger_factory(record: Callable[[Any, Any], None]) -> Any:
+    """vLLM's ``StatLoggerBase`` glue, in one place: a logger class (a ``StatLoggerFactory``, for
+    ``AsyncLLMEngine.from_engine_args(stat_loggers=[...])``) whose every per-step report calls
+    ``record(scheduler_stats, iteration_stats)``, either of which may be ``None``. It runs in the
+    engine's output-handler task, on the caller's event loop.
+    """
+    from vllm.v1.metrics.loggers import StatLoggerBase
 
-            def record(self, scheduler_stats: Any, iteration_stats: Any,
-                       mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
-                feed.record(scheduler_stats, iteration_stats)
+    class PrefixgateStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
 
-            def log_engine_initialized(self) -> None:
-                pass
+        def record(self, scheduler_stats: Any, iteration_stats: Any,
+                   mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            record(scheduler_stats, iteration_stats)
 
-        return PrefixgateStatLogger
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return PrefixgateStatLogger
 
 
 class _Live:
