@@ -12,6 +12,7 @@ import heapq
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["AutoClock", "Clock", "FakeClock", "MonotonicClock", "run_until_idle"]
@@ -103,37 +104,35 @@ def _only_probes(ready: deque[Any], *, defer_to_idle: bool) -> bool:
     return True
 
 
+def _probe(probe: Callable[..., None], done: asyncio.Future[None], ready: deque[Any] | None, left: int,
+           *, defer_to_idle: bool) -> None:
+    """One turn of a probe: sets ``done`` once nothing but probes is ready, or re-queues ``probe``."""
+    if done.done():
+        return
+    if ready is not None:
+        if _only_probes(ready, defer_to_idle=defer_to_idle):
+            done.set_result(None)
+            return
+    elif left <= 0:  # pragma: no cover - non-CPython event loops
+        done.set_result(None)
+        return
+    done.get_loop().call_soon(probe, done, ready, left - 1)
+
+
 def _clock_probe(done: asyncio.Future[None], ready: deque[Any] | None, left: int) -> None:
     """A callback that re-queues itself until nothing but probes is ready, then sets ``done``.
 
     Being a plain callback, not a task step, it lets the probes of several clocks sharing one
     loop recognise each other instead of each seeing the other as pending work. It yields to a
-    pending :func:`run_until_idle`, so time never moves while one waits.
+    pending :func:`run_until_idle`, so time never moves while one waits. (Probes are told apart
+    by function identity, hence two thin functions over :func:`_probe`.)
     """
-    if done.done():
-        return
-    if ready is not None:
-        if _only_probes(ready, defer_to_idle=True):
-            done.set_result(None)
-            return
-    elif left <= 0:  # pragma: no cover - non-CPython event loops
-        done.set_result(None)
-        return
-    done.get_loop().call_soon(_clock_probe, done, ready, left - 1)
+    _probe(_clock_probe, done, ready, left, defer_to_idle=True)
 
 
 def _idle_probe(done: asyncio.Future[None], ready: deque[Any] | None, left: int) -> None:
     """As :func:`_clock_probe`, for :func:`run_until_idle`: clocks' probes do not count as work."""
-    if done.done():
-        return
-    if ready is not None:
-        if _only_probes(ready, defer_to_idle=False):
-            done.set_result(None)
-            return
-    elif left <= 0:  # pragma: no cover - non-CPython event loops
-        done.set_result(None)
-        return
-    done.get_loop().call_soon(_idle_probe, done, ready, left - 1)
+    _probe(_idle_probe, done, ready, left, defer_to_idle=False)
 
 
 async def run_until_idle(*, fallback_yields: int = 64) -> None:

@@ -31,6 +31,7 @@ from ..engine import (
 from ..errors import EngineDead, InvalidRequest, PromptTooLong
 from ..keys import Namespace
 from ..testing import ByteTokenizer, FakeCompletion, FakeOutput, FakeSamplingParams
+from .loop import check_costs
 from .scheduler import OUTPUT_TOKEN, SimRequest, SimScheduler, StepPlan
 
 __all__ = ["SimClock", "SimEngine", "StepTimeModel"]
@@ -71,10 +72,7 @@ class StepTimeModel:
     eta: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
-                raise ValueError(f"StepTimeModel.{name} must be a finite number >= 0, got {value!r}")
+        check_costs(self, ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta"))
         if not any((self.alpha, self.beta, self.gamma, self.delta, self.epsilon, self.zeta, self.eta)):
             raise ValueError("StepTimeModel needs a positive coefficient, or virtual time never moves")
 

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 from ..clock import Clock
 
-__all__ = ["LoopCost", "LoopServer"]
+__all__ = ["LoopCost", "LoopServer", "check_costs"]
+
+
+def check_costs(owner: object, names: tuple[str, ...]) -> None:
+    """Raises ``ValueError`` unless each of ``owner``'s ``names`` is a finite number >= 0."""
+    for name in names:
+        value = getattr(owner, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+            raise ValueError(f"{type(owner).__name__}.{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,11 +56,8 @@ class LoopCost:
     gateway_token: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("request", "output", "request_token", "prompt_token", "gateway_request",
-                     "gateway_output", "gateway_token"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
-                raise ValueError(f"LoopCost.{name} must be a finite number >= 0, got {value!r}")
+        check_costs(self, ("request", "output", "request_token", "prompt_token", "gateway_request",
+                           "gateway_output", "gateway_token"))
 
 
 class LoopServer:
