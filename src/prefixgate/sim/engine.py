@@ -41,7 +41,8 @@ __all__ = ["SimClock", "SimEngine", "StepTimeModel"]
 class StepTimeModel:
     """Seconds one scheduler step takes: ``alpha + beta * prefill_tokens + gamma * decode_seqs
     + delta * decode_context + epsilon * prefill_context + zeta * new_requests + eta *
-    new_prompt_tokens`` (the terms of :class:`~prefixgate.sim.scheduler.StepPlan`).
+    new_prompt_tokens`` (the terms of :class:`~prefixgate.sim.scheduler.StepPlan`), plus, for a
+    *mixed* step (prefill and decode together), ``theta + iota * decode_context``.
 
     The default is a guess for an 8B-parameter model on one current datacenter GPU (5 ms per
     step, 20k prefill tokens/s, 40 µs per decoding sequence, no context terms); fit your own from
@@ -55,9 +56,14 @@ class StepTimeModel:
             that make long-context decode steps slower on a GPU.
         epsilon: Seconds per prefill token-pair: a chunk of ``n`` tokens whose middle sits at
             context ``c`` costs ``epsilon * n * c`` (attention grows with the prefix).
-        zeta: Seconds per request scheduled for the first time (the engine core's bookkeeping).
-        eta: Seconds per prompt token of those requests, cached or not (hashing its blocks and
-            looking them up: work a cache hit does not save).
+        zeta: Seconds per request that reached the engine since the previous step (the engine
+            core takes each in before it steps again).
+        eta: Seconds per prompt token of those requests, cached or not (decoding the message and
+            hashing every block: work a cache hit does not save, and that delays the next step).
+        theta: Extra seconds of a mixed step: on a GPU, vLLM runs a batch that mixes prefill
+            and decode outside its full CUDA graph (attention runs eagerly, layer by layer).
+        iota: Extra seconds per token of KV the decoding sequences of a mixed step attend to
+            (their attention through the prefill kernel).
 
     Raises:
         ValueError: If a coefficient is negative or not finite, or all are zero.
@@ -70,18 +76,24 @@ class StepTimeModel:
     epsilon: float = 0.0
     zeta: float = 0.0
     eta: float = 0.0
+    theta: float = 0.0
+    iota: float = 0.0
 
     def __post_init__(self) -> None:
-        check_costs(self, ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta"))
-        if not any((self.alpha, self.beta, self.gamma, self.delta, self.epsilon, self.zeta, self.eta)):
+        names = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota")
+        check_costs(self, names)
+        if not any(getattr(self, name) for name in names):
             raise ValueError("StepTimeModel needs a positive coefficient, or virtual time never moves")
 
     def seconds(self, prefill_tokens: int, decode_seqs: int, decode_context: int = 0,
                 prefill_context: int = 0, new_requests: int = 0, new_prompt_tokens: int = 0) -> float:
         """The duration of a step with this much prefill and decode work."""
-        return (self.alpha + self.beta * prefill_tokens + self.gamma * decode_seqs
-                + self.delta * decode_context + self.epsilon * prefill_context
-                + self.zeta * new_requests + self.eta * new_prompt_tokens)
+        t = (self.alpha + self.beta * prefill_tokens + self.gamma * decode_seqs
+             + self.delta * decode_context + self.epsilon * prefill_context
+             + self.zeta * new_requests + self.eta * new_prompt_tokens)
+        if prefill_tokens and decode_seqs:
+            t += self.theta + self.iota * decode_context
+        return t
 
     def plan_seconds(self, plan: StepPlan) -> float:
         """The duration of the step ``plan`` describes."""

@@ -272,8 +272,9 @@ class StepPlan:
         decode_context: Tokens of KV the decoding requests attend to (their lengths, summed).
         prefill_context: Attention work of the prefill chunks: per chunk, its tokens times the
             context length at its middle (token pairs), summed.
-        new_requests: Requests scheduled for the first time (the engine hashed their prompts'
-            blocks and looked them up in its cache).
+        new_requests: Requests that reached the engine since the previous step (vLLM's engine
+            core takes each in before its next step: decodes it and hashes every block of its
+            prompt, work that delays that step).
         new_prompt_tokens: Their prompt tokens, summed (cached or not).
     """
 
@@ -321,6 +322,7 @@ class SimScheduler:
         self.prefix_hits = 0
         self.num_preemptions = 0
         self.steps = 0
+        self._arrived = self._arrived_tokens = 0  # requests in since the last step, and their tokens
 
     # -- requests in and out ------------------------------------------------------------------
 
@@ -328,6 +330,8 @@ class SimScheduler:
         """Queues ``request`` at the back of the waiting queue."""
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._arrived += 1
+        self._arrived_tokens += request.num_prompt_tokens
 
     def abort(self, request_id: str) -> SimRequest | None:
         """Removes a live request and frees its blocks; ``None`` if it is not live."""
@@ -390,7 +394,8 @@ class SimScheduler:
             scheduled.append((request, n))
             budget -= n
             i += 1
-        new_requests = new_prompt_tokens = 0
+        new_requests, new_prompt_tokens = self._arrived, self._arrived_tokens
+        self._arrived = self._arrived_tokens = 0
         if not preempted:
             waiting = self.waiting
             while budget > 0 and waiting and len(running) < self.max_num_seqs:
@@ -402,9 +407,6 @@ class SimScheduler:
                 n = min(request.num_tokens - hit_tokens, budget)
                 if not self._allocate(request, n, hits, hit_tokens, full_must_fit=True):
                     break
-                if request.num_preemptions == 0:
-                    new_requests += 1
-                    new_prompt_tokens += request.num_prompt_tokens
                 if request.reads_cache and self.enable_caching and request.num_preemptions == 0:
                     self.prefix_queries += request.num_tokens
                     self.prefix_hits += hit_tokens
