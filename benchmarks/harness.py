@@ -119,10 +119,13 @@ class _ArmDriver:
         # The simulator charges the event loop's CPU time to virtual time (see prefixgate.sim.loop).
         self.loop_cost: Any = getattr(engine, "loop_cost", None)
         self.loop: Any = None
+        self.ingress: Any = None
         if self.loop_cost is not None:
             from prefixgate.sim import LoopServer
 
             self.loop = LoopServer(self.clock)
+            workers = self.loop_cost.ingress_workers
+            self.ingress = LoopServer(self.clock, workers) if workers else None
 
     async def _through_gateway(self, rid: str, request: TraceRequest, prompt: str, params: Any,
                                rec: RequestRecord) -> Any:
@@ -132,7 +135,12 @@ class _ArmDriver:
         loop, cost = self.loop, self.loop_cost
         if loop is not None:  # the simulator's tokenizer is memoized: counting costs no time
             tokens = len(self.engine.engine.tokenizer.encode(prompt))
-            await loop.spend(cost.request + cost.gateway_request
+            if self.ingress is not None:  # prepared by a worker before the gateway queues it
+                await self.ingress.spend(cost.ingress_token * tokens)
+            # The first output's share of the request cost is paid when it arrives (below):
+            # a client sees its first token only once the loop has read it.
+            await loop.spend(max(0.0, cost.request - cost.output)
+                             + max(0.0, cost.gateway_request - cost.gateway_output)
                              + (cost.request_token + cost.gateway_token) * tokens)
         t0 = time.perf_counter()
         stream = self.gateway.generate(prompt, params, request_id=rid, tenant=request.tenant)
@@ -140,7 +148,7 @@ class _ArmDriver:
         async with stream:
             try:
                 async for out in stream:
-                    if loop is not None and last is not None:
+                    if loop is not None:
                         await loop.spend(cost.output + cost.gateway_output)
                     rec.first_output = rec.first_output or self.clock.now()
                     last = out
@@ -170,11 +178,12 @@ class _ArmDriver:
         ids = self.engine.engine.tokenizer.encode(prompt)
         loop, cost = self.loop, self.loop_cost
         if loop is not None:
-            await loop.spend(cost.request + (cost.prompt_token + cost.request_token) * len(ids))
+            await loop.spend(max(0.0, cost.request - cost.output)
+                             + (cost.prompt_token + cost.request_token) * len(ids))
         outputs = self.engine.engine.generate(EngineRequest(rid, ids, params))
         async with contextlib.aclosing(outputs):
             async for out in outputs:
-                if loop is not None and last is not None:
+                if loop is not None:
                     await loop.spend(cost.output)
                 rec.first_output = rec.first_output or self.clock.now()
                 last = out

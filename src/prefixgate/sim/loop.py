@@ -12,6 +12,7 @@ by ``python -m benchmarks.fit_step_model``).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from ..clock import Clock
@@ -42,6 +43,11 @@ class LoopCost:
         gateway_output: prefixgate's own work on the loop, per output it passes on.
         gateway_token: prefixgate's own work on the loop, per prompt token (receiving a worker's
             token ids and keys).
+        ingress_token: Seconds per prompt token in one of prefixgate's ingress workers
+            (canonicalizing, tokenizing and keying off the loop); a request reaches the gateway's
+            queue only once a worker has prepared it.
+        ingress_workers: How many ingress workers prepare prompts side by side; ``0`` for none
+            (ingress inline, its cost in ``gateway_token``).
 
     Raises:
         ValueError: If a cost is negative or not finite.
@@ -54,35 +60,44 @@ class LoopCost:
     gateway_request: float = 0.0
     gateway_output: float = 0.0
     gateway_token: float = 0.0
+    ingress_token: float = 0.0
+    ingress_workers: int = 0
 
     def __post_init__(self) -> None:
         check_costs(self, ("request", "output", "request_token", "prompt_token", "gateway_request",
-                           "gateway_output", "gateway_token"))
+                           "gateway_output", "gateway_token", "ingress_token", "ingress_workers"))
+        if not isinstance(self.ingress_workers, int):
+            raise ValueError(f"LoopCost.ingress_workers must be an int, got {self.ingress_workers!r}")
 
 
 class LoopServer:
-    """One CPU that runs queued work in arrival order, on ``clock``'s (virtual) time.
+    """CPUs that run queued work in arrival order, on ``clock``'s (virtual) time: one for the
+    event loop, several for a pool of workers.
 
-    :meth:`spend` returns once the work handed to it has run: when the loop is free, after
-    ``seconds``; when it is busy, after the work queued before it as well.
+    :meth:`spend` returns once the work handed to it has run: when a CPU is free, after
+    ``seconds``; when all are busy, after the first of them is done with the work queued on it.
 
     Args:
         clock: The simulation's clock.
+        workers: CPUs working side by side.
     """
 
     __slots__ = ("_clock", "_free_at", "busy_seconds")
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, workers: int = 1) -> None:
+        if workers < 1:
+            raise ValueError(f"LoopServer needs at least one worker, got {workers}")
         self._clock = clock
-        self._free_at = 0.0
+        self._free_at = [0.0] * workers  # a heap: when each CPU is next free
         self.busy_seconds = 0.0
         """Work charged so far, in seconds."""
 
     async def spend(self, seconds: float) -> None:
-        """Runs ``seconds`` of work on the loop, after whatever is queued on it."""
+        """Runs ``seconds`` of work on the first free CPU, after whatever is queued on it."""
         if seconds <= 0:
             return
         now = self._clock.now()
-        self._free_at = max(now, self._free_at) + seconds
+        done = max(now, self._free_at[0]) + seconds
+        heapq.heapreplace(self._free_at, done)
         self.busy_seconds += seconds
-        await self._clock.sleep(self._free_at - now)
+        await self._clock.sleep(done - now)
