@@ -109,34 +109,33 @@ def test_loop_costs_come_apart_into_per_request_per_output_per_token_and_the_gat
     assert got == pytest.approx(fitted, rel=1e-9)  # the ingress pool is set, not fitted
 
 
-async def test_the_loop_runs_one_piece_of_work_at_a_time_in_arrival_order() -> None:
-    clock = SimClock()
-    loop = LoopServer(clock)
+async def _finish_times(server: LoopServer, clock: SimClock,
+                        jobs: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """When each job ``name: (arrives at, seconds of work)`` handed to ``server`` is done."""
     done: dict[str, float] = {}
 
     async def work(name: str, at: float, seconds: float) -> None:
         await clock.sleep(at)
-        await loop.spend(seconds)
+        await server.spend(seconds)
         done[name] = clock.now()
 
-    await asyncio.gather(work("a", 0.0, 0.010), work("b", 0.001, 0.005), work("c", 0.030, 0.002),
-                         work("free", 0.0, 0.0))
+    await asyncio.gather(*(work(name, at, seconds) for name, (at, seconds) in jobs.items()))
+    return done
+
+
+async def test_the_loop_runs_one_piece_of_work_at_a_time_in_arrival_order() -> None:
+    clock = SimClock()
+    loop = LoopServer(clock)
+    done = await _finish_times(loop, clock, {"a": (0.0, 0.010), "b": (0.001, 0.005), "c": (0.030, 0.002),
+                                             "free": (0.0, 0.0)})
     assert done == pytest.approx({"a": 0.010, "b": 0.015, "c": 0.032, "free": 0.0})
     assert loop.busy_seconds == pytest.approx(0.017)
 
 
 async def test_a_pool_of_workers_runs_as_many_pieces_of_work_side_by_side_each_in_arrival_order() -> None:
     clock = SimClock()
-    pool = LoopServer(clock, workers=2)
-    done: dict[str, float] = {}
-
-    async def work(name: str, at: float, seconds: float) -> None:
-        await clock.sleep(at)
-        await pool.spend(seconds)
-        done[name] = clock.now()
-
-    await asyncio.gather(work("a", 0.0, 0.010), work("b", 0.0, 0.004), work("c", 0.001, 0.003),
-                         work("d", 0.002, 0.001))
+    jobs = {"a": (0.0, 0.010), "b": (0.0, 0.004), "c": (0.001, 0.003), "d": (0.002, 0.001)}
+    done = await _finish_times(LoopServer(clock, workers=2), clock, jobs)
     # a and b start at once; c waits for b's worker (free at 0.004), d for the next free one (c's).
     assert done == pytest.approx({"a": 0.010, "b": 0.004, "c": 0.007, "d": 0.008})
     with pytest.raises(ValueError, match="at least one worker"):
