@@ -75,6 +75,38 @@ def _old_gateways(old: Path | None) -> dict[str, Callable[[Any, Any], Any]]:
     return out
 
 
+
+def cpu_times() -> dict[str, float]:
+    """CPU seconds so far of each of this process's threads (Linux ``/proc``), by Python thread
+    name where Python knows the thread (the event loop's is ``"loop"`` when called on it), else
+    ``"tid <n>"``; plus ``"process"`` (all threads, :func:`time.process_time`)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    names[threading.get_native_id()] = "loop"
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {"process": time.process_time()}
+    task = Path("/proc/self/task")
+    if not task.is_dir():
+        return out
+    for d in task.iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        tid = int(d.name)
+        name = names.get(tid, f"tid {tid}")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """Per thread (see :func:`cpu_times`), CPU seconds spent between two snapshots; threads
+    under 10 ms are left out."""
+    out = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return {k: round(v, 4) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v >= 0.01}
+
+
 class _Profiler:
     """py-spy sampling this process while one arm runs (raw collapsed stacks)."""
 
@@ -114,6 +146,7 @@ async def _bench(trace: Any, engine: Any, variants: Sequence[tuple[str, str, Any
     ceil = trace_ceiling(trace, engine)
     runs: dict[str, list[Any]] = {label: [] for label, _, _ in variants}
     step_rows: dict[str, list[Any]] = {label: [] for label, _, _ in variants}
+    cpu_rows: dict[str, list[Any]] = {label: [] for label, _, _ in variants}
     profiled: set[str] = set()
     for repeat in range(repeats):
         for label, arm, how in variants:
@@ -123,13 +156,14 @@ async def _bench(trace: Any, engine: Any, variants: Sequence[tuple[str, str, Any
             elif how is not None:
                 kwargs["config"] = how
             path = (profile or {}).get(label)
-            t_start = time.monotonic()
+            t_start, cpu0 = time.monotonic(), cpu_times()
             if path is not None and label not in profiled and repeat == repeats - 1:
                 profiled.add(label)
                 with _Profiler(path):
                     run = await run_arm(arm, repeat, trace, engine, **kwargs)
             else:
                 run = await run_arm(arm, repeat, trace, engine, **kwargs)
+            cpu_rows[label].append(cpu_delta(cpu0, cpu_times()))
             runs[label].append(run)
             if steps is not None:
                 step_rows[label].append(steps.since(t_start))
@@ -144,7 +178,7 @@ async def _bench(trace: Any, engine: Any, variants: Sequence[tuple[str, str, Any
                             for label, _, how in variants})
     out = {"workload": trace.workload, "engine": factory.name, "vllm_version": factory.vllm_version,
            "params": params, "ceiling": ceil.as_dict(), "arms": arms, "ratios": ratios(arms, ceil),
-           "runtime_s": time.perf_counter() - t0}
+           "runtime_s": time.perf_counter() - t0, "cpu_s": cpu_rows}
     if steps is not None:
         out["steps"] = {"columns": ["t", "prefill_tokens", "decode_seqs", "model_ms", "running", "waiting",
                                     "kv_usage"], "runs": step_rows}
