@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -176,19 +177,43 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
             "calibration": {"step_time": step, "loop_cost": loop}, "cases": cases, "raw": raw}
 
 
+def fid_cases(args: argparse.Namespace) -> set[str]:
+    """The cases the ``--fid`` file holds (W1 and W3, from ``gpu_suite --part fid``)."""
+    return set(json.loads((args.h200 / args.fid).read_text())["workloads"])
+
+
+def profile_from_fit(doc: Mapping[str, Any]) -> tuple[tuple[float, ...], dict[str, float]]:
+    """The gpu profile's step time and loop costs from a ``gpu_suite --part fit`` JSON, as the
+    committed profile derives them (ingress: 4 workers at the tokenizer's cost per token)."""
+    from prefixgate.sim import StepTimeModel
+
+    names = [f.name for f in dataclasses.fields(StepTimeModel)]
+    step = tuple(float(doc["fit"][n]) for n in names)
+    loop = dict(doc["loop_cost"])
+    loop.update(ingress_token=loop["prompt_token"], ingress_workers=4)
+    return step, loop
+
+
 def run_h200(args: argparse.Namespace) -> dict[str, Any]:
     """Runs each case on the simulator's gpu profile and compares with saved H200 results."""
     from transformers import AutoTokenizer
 
-    from .engines import SIM_PROFILES, SimFactory
+    from .engines import SimFactory
     from .scenarios import run_scenario
     from .workloads import make_trace
 
     saved: dict[str, Any] = {}
-    for name in ("fid-h200-8b-nodetok.json", "W2-h200-8b-nodetok.json", "W4-h200-8b-nodetok.json"):
-        saved.update(json.loads((args.h200 / name).read_text())["workloads"])
+    for name in (args.fid, "W2-h200-8b-nodetok.json", "W4-h200-8b-nodetok.json"):
+        if (args.h200 / name).exists() or name == args.fid:
+            saved.update(json.loads((args.h200 / name).read_text())["workloads"])
+    if args.only_fid:
+        saved = {k: v for k, v in saved.items() if k in fid_cases(args)}
     tokenizer = AutoTokenizer.from_pretrained(str(TINY_LLAMA))
-    sim_f = SimFactory("gpu", tokenizer, charge_loop=not args.no_loop_charge)
+    step_time, loop_cost = None, None
+    if args.fit is not None:  # a fit of the same host as the reference, not the committed profile
+        step_time, loop_cost = profile_from_fit(json.loads(args.fit.read_text()))
+    sim_f = SimFactory("gpu", tokenizer, step_time=step_time, loop_cost=loop_cost,
+                       charge_loop=not args.no_loop_charge)
     cases: dict[str, Any] = {}
     raw: dict[str, Any] = {}
     for label, workload, overrides in CASES:
@@ -208,9 +233,9 @@ def run_h200(args: argparse.Namespace) -> dict[str, Any]:
                                        duration=real["params"].get("duration_override_s")))
         cases["W4"] = _compare_w4(real, sim)
         raw["W4"] = {"sim": sim}
-    p = SIM_PROFILES["gpu"]
-    return {"real_engine": "H200, vLLM 0.26.0, 8B shape (saved results, --no-detokenize)",
-            "note": f"gpu profile {p.step_time}, "
+    p = sim_f.profile
+    return {"real_engine": f"H200, vLLM 0.26.0, 8B shape (saved results {args.fid}, --no-detokenize)",
+            "note": f"gpu profile {p.step_time}{f' fitted in {args.fit.name}' if args.fit else ''}, "
                     f"loop {dict(p.loop_cost) if not args.no_loop_charge else 'off'}; "
                     f"{args.repeats} sim repeats",
             "cases": cases, "raw": raw}
@@ -228,6 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "of each batch shape is slow there)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-w4", action="store_true", help="skip the W4 overload scenario")
+    p.add_argument("--fid", default="fid-h200-8b-nodetok.json",
+                   help="H200: the W1/W3 reference file under --h200 (gpu_suite --part fid)")
+    p.add_argument("--fit", type=Path,
+                   help="H200: the gpu profile from this gpu_suite fit JSON, not the committed one")
+    p.add_argument("--only-fid", action="store_true", help="H200: only the cases in the --fid file")
     p.add_argument("--no-loop-charge", action="store_true", help="H200: the gpu profile without loop costs")
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)

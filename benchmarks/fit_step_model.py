@@ -224,9 +224,10 @@ class Calibration:
             ``(prefix as 1/n of max_model_len, new tokens each, requests, output tokens)``.
         shared_decode_batches: Concurrent requests decoding over one cached prefix of half of
             ``max_model_len`` (KV blocks that many sequences read at once).
-        mixed_batches: Decode batches, as ``(requests, prefix as 1/n of max_model_len)``, that
-            short one-token requests join one after another while they decode: steps that mix
-            a little prefill with many decodes.
+        mixed_batches: Decode batches, as ``(requests, prompt as 1/n of max_model_len)``, each
+            request with a prompt of its own, that short one-token requests join one after
+            another once all decode: steps that mix a little prefill with many decodes over
+            distinct KV.
         seed: Seed of the random prompt token ids.
     """
 
@@ -295,11 +296,17 @@ async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab
     telling ``tracker`` what it submits, in order."""
     from prefixgate.engine import EngineRequest
 
-    async def _drain(rid: str, ids_: list[int], max_tokens: int, cached: int = 0) -> None:
+    async def _drain(rid: str, ids_: list[int], max_tokens: int, cached: int = 0,
+                     first: asyncio.Future[None] | None = None) -> None:
         if tracker is not None:
             tracker.submit(len(ids_), max_tokens, cached)
-        async for _ in engine.generate(EngineRequest(rid, ids_, make_params(max_tokens))):
-            pass
+        try:
+            async for _ in engine.generate(EngineRequest(rid, ids_, make_params(max_tokens))):
+                if first is not None and not first.done():
+                    first.set_result(None)
+        finally:  # a request that fails before its first output must not hang the phase
+            if first is not None and not first.done():
+                first.set_result(None)
 
     rng = random.Random(cal.seed)
     ids = itertools.count()
@@ -351,10 +358,18 @@ async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab
         await asyncio.gather(*(_drain(f"cal-s{next(ids)}", shared + prompt(16), cal.decode_tokens,
                                       len(shared)) for _ in range(batch)))
     for batch, share in cal.mixed_batches:
-        shared = prompt(max(16, max_len // share))
-        await _drain(f"cal-m{next(ids)}", shared + prompt(16), 1)
-        decoders = asyncio.gather(*(_drain(f"cal-m{next(ids)}", shared + prompt(16), cal.decode_tokens,
-                                           len(shared)) for _ in range(batch)))
+        # Each decoder reads its own KV (as W1-W4's many prefixes make them): a GPU's mixed
+        # batch is slow over distinct KV and fast over one prefix all decoders share (cached
+        # near the cores), and the workloads are mostly the former. Decoders start as their
+        # prompts finish prefilling, so each decodes long enough to overlap all the others and
+        # the joiners sent once the last has begun.
+        length = max(16, max_len // share)
+        budget = int(getattr(engine, "max_num_batched_tokens", 2048))
+        tokens = -(-batch * (length + 16) // budget) + 2 * cal.decode_tokens
+        started = [asyncio.get_running_loop().create_future() for _ in range(batch)]
+        decoders = asyncio.gather(*(_drain(f"cal-m{next(ids)}", prompt(length + 16), tokens, first=f)
+                                    for f in started))
+        await asyncio.wait(started)
         for _ in range(cal.decode_tokens // 2):  # one joins about every other step
             await sleep(0.004)
             await _drain(f"cal-j{next(ids)}", prompt(cal.decode_prompt_tokens), 1)
@@ -398,8 +413,9 @@ class LoopPhase:
     """One flood of requests and the event loop's CPU time it took.
 
     Attributes:
-        path: ``"bare"`` (token ids straight to the engine) or ``"gateway"`` (text through a
-            default :class:`prefixgate.Gateway`).
+        path: ``"bare"`` (token ids straight to the engine), ``"gateway"`` (text through a
+            default :class:`prefixgate.Gateway`) or ``"text"`` (text each client tokenizes on
+            the loop, then sends to the engine).
         requests: Requests sent at once.
         max_tokens: Output tokens of each.
         outputs: Outputs the client received, summed.
@@ -427,7 +443,8 @@ async def measure_loop(engine: Any, make_params: Any, tokenizer: Any, *, request
     """Floods ``engine`` with requests, bare and through a gateway: short prompts with 1 and 16
     output tokens, and long prompts (~2k tokens) with 1; measures the event loop thread's CPU
     time (``time.thread_time``): vLLM's frontend, the client and the gateway all run there. Also
-    times tokenizing text on the loop.
+    floods it with clients that each tokenize their text on the loop before sending (path
+    ``"text"``, short and long prompts, 1 output), and times tokenizing text alone.
 
     Prompts share a prefix (cached after the first) and end in a dozen unique words, so the
     engine's work is small and the loop's shows. Returns the phases (``rounds`` of each,
@@ -450,6 +467,13 @@ async def measure_loop(engine: Any, make_params: Any, tokenizer: Any, *, request
     serial = itertools.count()
     kinds = [(path, max_tokens, length) for path in ("bare", "gateway")
              for max_tokens, length in ((1, "short"), (16, "short"), (1, "long"))]
+    kinds += [("text", 1, "short"), ("text", 1, "long")]
+
+    async def client(prompt: str, max_tokens: int) -> int:  # as the benchmarks' bare arms send
+        ids = tokenizer.encode(prompt)
+        request = EngineRequest(f"loop-{next(serial)}", ids, make_params(max_tokens))
+        return await _count(engine.generate(request))
+
     async with Gateway(engine, GatewayConfig()) as gateway:
         for _ in range(rounds):
             for path, max_tokens, length in kinds:
@@ -459,10 +483,14 @@ async def measure_loop(engine: Any, make_params: Any, tokenizer: Any, *, request
                     streams = [engine.generate(EngineRequest(f"loop-{next(serial)}", tokenizer.encode(p),
                                                              make_params(max_tokens))) for p in prompts]
                     cpu0, wall0, proc0 = time.thread_time(), time.perf_counter(), time.process_time()
-                else:  # the gateway's checks are its cost: start the clocks before generate()
+                elif path == "gateway":  # its checks are its cost: start the clocks before generate()
                     cpu0, wall0, proc0 = time.thread_time(), time.perf_counter(), time.process_time()
                     streams = [gateway.generate(p, make_params(max_tokens)) for p in prompts]
-                counts = await asyncio.gather(*(_count(stream) for stream in streams))
+                if path == "text":  # each client tokenizes on the loop, between the others' work
+                    cpu0, wall0, proc0 = time.thread_time(), time.perf_counter(), time.process_time()
+                    counts = await asyncio.gather(*(client(p, max_tokens) for p in prompts))
+                else:
+                    counts = await asyncio.gather(*(_count(stream) for stream in streams))
                 phases.append(LoopPhase(path, requests, max_tokens, sum(counts), time.thread_time() - cpu0,
                                         time.perf_counter() - wall0, size, time.process_time() - proc0))
     texts = [maker.text(1500, "mixed") for _ in range(20)]
@@ -486,6 +514,12 @@ def fit_loop_cost(phases: Sequence[LoopPhase], prompt_token: float) -> dict[str,
     prompt lengths the per-prompt-token cost, and the rest is per request; bare, and through the
     gateway (the gateway's own costs are its excess over bare; negative excesses are taken as
     0). A request's cost includes its first output.
+
+    ``prompt_token`` (a bare client tokenizing on the loop) is read where the phases have
+    ``"text"`` floods: their excess over bare long prompts, per token (the tokenizer among the
+    frontend's other work, as the bare arms pay it);
+    else it is the ``prompt_token`` given (the tokenizer timed alone), which is always the
+    ingress workers' cost (``ingress_token``: they tokenize alone, in their own processes).
     """
 
     def kind(path: str, max_tokens: int, long: bool) -> tuple[float, float, float]:
@@ -504,9 +538,15 @@ def fit_loop_cost(phases: Sequence[LoopPhase], prompt_token: float) -> dict[str,
 
     request, output, token = costs("bare")
     g_request, g_output, g_token = costs("gateway")
+    on_loop = prompt_token
+    if any(p.path == "text" for p in phases):
+        (tl, _, nl), (bl, _, _) = kind("text", 1, True), kind("bare", 1, True)
+        if nl > 0 and tl > bl:
+            on_loop = (tl - bl) / nl
     return {"request": max(0.0, request), "output": max(0.0, output), "request_token": max(0.0, token),
-            "prompt_token": prompt_token, "gateway_request": max(0.0, g_request - request),
-            "gateway_output": max(0.0, g_output - output), "gateway_token": max(0.0, g_token - token)}
+            "prompt_token": on_loop, "gateway_request": max(0.0, g_request - request),
+            "gateway_output": max(0.0, g_output - output), "gateway_token": max(0.0, g_token - token),
+            "ingress_token": prompt_token}
 
 
 async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_model_len: int,

@@ -94,19 +94,29 @@ def test_loop_costs_come_apart_into_per_request_per_output_per_token_and_the_gat
     want = LoopCost(request=300e-6, output=20e-6, request_token=0.3e-6, prompt_token=0.5e-6,
                     gateway_request=100e-6, gateway_output=5e-6, gateway_token=0.1e-6)
 
+    alone = 0.4e-6  # the tokenizer timed by itself: cheaper than among the frontend's work
+
     def phase(path: str, max_tokens: int, outputs_each: int, tokens: float) -> LoopPhase:
         per = want.request + (outputs_each - 1) * want.output + tokens * want.request_token
         if path == "gateway":
             per += (want.gateway_request + (outputs_each - 1) * want.gateway_output
                     + tokens * want.gateway_token)
+        if path == "text":
+            per += tokens * want.prompt_token
         return LoopPhase(path, 100, max_tokens, 100 * outputs_each, 100 * per, 1.0, tokens)
 
-    phases = [phase(path, k, n, t) for path, k, n, t in (
-        ("bare", 1, 1, 70.0), ("bare", 16, 12, 70.0), ("bare", 1, 1, 2100.0),
-        ("gateway", 1, 1, 71.0), ("gateway", 16, 9, 71.0), ("gateway", 1, 1, 2090.0))]
-    got = fit_loop_cost(phases * 3, want.prompt_token)
-    fitted = {k: v for k, v in dataclasses.asdict(want).items() if not k.startswith("ingress")}
-    assert got == pytest.approx(fitted, rel=1e-9)  # the ingress pool is set, not fitted
+    kinds = (("bare", 1, 1, 70.0), ("bare", 16, 12, 70.0), ("bare", 1, 1, 2100.0),
+             ("gateway", 1, 1, 71.0), ("gateway", 16, 9, 71.0), ("gateway", 1, 1, 2090.0))
+    phases = [phase(path, k, n, t) for path, k, n, t in kinds]
+    text = [phase("text", 1, 1, 70.0), phase("text", 1, 1, 2100.0)]
+    fitted = {k: v for k, v in dataclasses.asdict(want).items() if k != "ingress_workers"}
+    # With text floods, prompt_token is their excess over bare; the ingress workers tokenize
+    # alone, at the tokenizer's own cost (their number is set, not fitted).
+    got = fit_loop_cost((phases + text) * 3, alone)
+    assert got == pytest.approx({**fitted, "ingress_token": alone}, rel=1e-9)
+    # Without, both are the tokenizer's own cost.
+    got = fit_loop_cost(phases * 3, alone)
+    assert got == pytest.approx({**fitted, "prompt_token": alone, "ingress_token": alone}, rel=1e-9)
 
 
 async def _finish_times(server: LoopServer, clock: SimClock,
