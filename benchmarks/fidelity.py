@@ -195,8 +195,12 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def fid_cases(args: argparse.Namespace) -> set[str]:
-    """The cases the ``--fid`` file holds (W1 and W3, from ``gpu_suite --part fid``)."""
-    return set(json.loads((args.h200 / args.fid).read_text())["workloads"])
+    """The cases the ``--fid`` and ``--w2`` files hold (W1 and W3 from ``gpu_suite --part fid``;
+    W2 from ``--part w2``) when ``--w2`` names a file of their run, else only the former's."""
+    cases = set(json.loads((args.h200 / args.fid).read_text())["workloads"])
+    if args.w2 != "W2-h200-8b-nodetok.json":
+        cases |= set(json.loads((args.h200 / args.w2).read_text())["workloads"])
+    return cases
 
 
 def profile_from_fit(doc: Mapping[str, Any]) -> tuple[tuple[float, ...], dict[str, float]]:
@@ -204,7 +208,7 @@ def profile_from_fit(doc: Mapping[str, Any]) -> tuple[tuple[float, ...], dict[st
     committed profile derives them (ingress: 4 workers at the tokenizer's cost per token)."""
     from prefixgate.sim import StepTimeModel
 
-    names = [f.name for f in dataclasses.fields(StepTimeModel)]
+    names = [f.name for f in dataclasses.fields(StepTimeModel) if f.name != "overlap"]
     step = tuple(float(doc["fit"][n]) for n in names)
     loop = dict(doc["loop_cost"])
     loop.update(ingress_token=loop["prompt_token"], ingress_workers=4)
@@ -220,7 +224,7 @@ def run_h200(args: argparse.Namespace) -> dict[str, Any]:
     from .workloads import make_trace
 
     saved: dict[str, Any] = {}
-    for name in (args.fid, "W2-h200-8b-nodetok.json", "W4-h200-8b-nodetok.json"):
+    for name in (args.fid, args.w2, "W4-h200-8b-nodetok.json"):
         if (args.h200 / name).exists() or name == args.fid:
             saved.update(json.loads((args.h200 / name).read_text())["workloads"])
     if args.only_fid:
@@ -272,9 +276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-w4", action="store_true", help="skip the W4 overload scenario")
     p.add_argument("--fid", default="fid-h200-8b-nodetok.json",
                    help="H200: the W1/W3 reference file under --h200 (gpu_suite --part fid)")
+    p.add_argument("--w2", default="W2-h200-8b-nodetok.json",
+                   help="H200: the W2 reference file under --h200 (gpu_suite --part w2)")
     p.add_argument("--fit", type=Path,
                    help="H200: the gpu profile from this gpu_suite fit JSON, not the committed one")
-    p.add_argument("--only-fid", action="store_true", help="H200: only the cases in the --fid file")
+    p.add_argument("--only-fid", action="store_true",
+                   help="H200: only the cases of the --fid (and a given --w2) file: one host's run")
     p.add_argument("--no-loop-charge", action="store_true", help="H200: the gpu profile without loop costs")
     p.add_argument("--markdown", type=Path, help="read this --json result and print its table as Markdown")
     p.add_argument("--json", type=Path)
