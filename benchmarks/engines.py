@@ -392,7 +392,8 @@ async def warm_batch_shapes(engine: Any, make_params: Any, upto: int, *, seed: i
     from prefixgate.engine import EngineRequest
 
     rng = random.Random(seed)
-    vocab = len(engine.tokenizer)
+    tokenizer = engine.tokenizer
+    vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else 256  # the simulator's: bytes
     for n in range(1, upto + 1):
         ids = [rng.randrange(16, vocab) for _ in range(n)]
         async for _ in engine.generate(EngineRequest(f"warm-shape-{seed}-{n}", ids, make_params(1))):

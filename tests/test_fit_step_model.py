@@ -12,12 +12,14 @@ import dataclasses
 
 import pytest
 
-from benchmarks.engines import SIM_PROFILES
+from benchmarks.engines import SIM_PROFILES, warm_batch_shapes
 from benchmarks.fit_step_model import (
     Calibration,
     ContextTracker,
     LoopPhase,
+    StepRecord,
     calibrate_sim,
+    calibration_steps,
     fit,
     fit_loop_cost,
     report,
@@ -226,3 +228,18 @@ async def test_the_harness_charges_the_loop_per_request_and_per_output_bare_and_
     assert spans["B1", True] >= n * 0.010 + 3 * 0.001
     assert spans["L", True] >= n * 0.015 + 3 * 0.0015
     assert spans["B1", False] < n * 0.010 and spans["L", False] < n * 0.015
+
+
+def test_calibration_steps_end_at_the_last_step_the_tracker_knew_work_for() -> None:
+    known = [StepRecord(0.01, 512, 0, None, 0, 131072, 1, 512), StepRecord(0.01, 0, 1, None, 513)]
+    floods = [StepRecord(0.002, 64, 0), StepRecord(0.003, 0, 30)]  # no context, no arrivals
+    assert calibration_steps(known + floods) == known
+    assert calibration_steps(known) == known
+
+
+async def test_warming_batch_shapes_runs_one_step_of_every_size_once() -> None:
+    sizes: list[int] = []
+    sim = SimEngine(block_size=16, num_blocks=256, max_model_len=1024,
+                    on_step=lambda _t, _s, plan: sizes.append(plan.prefill_tokens))
+    await warm_batch_shapes(sim, FakeSamplingParams, 40)
+    assert sorted(size for size in sizes if size) == list(range(1, 41))
