@@ -297,15 +297,24 @@ def _round(value: float | None) -> float | None:
 
 
 def _accuracy_line(a: Mapping[str, Any]) -> str:
+    """One line on how good the refusals' ``retry_after`` was; a figure the run could not measure
+    (no arrival accepted after a refusal, none at or after its ``retry_after``) reads ``-``."""
     if not a or not a.get("refusals"):
         return "no refusals"
+
+    def s(value: float | None, spec: str = ".3f") -> str:
+        return "-" if value is None else format(value, spec)
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.0f}%"
+
     ra, actual, err = a["retry_after_s"], a["actual_s"], a["error_s"]
-    return (f"{a['refusals']} refusals; retry_after p50 {ra['p50']:.3f} s "
-            f"(p10 {ra['p10']:.3f}, p90 {ra['p90']:.3f}); "
-            f"actual wait until accepted p50 {actual['p50']:.3f} s (p90 {actual['p90']:.3f}); "
-            f"error p10/p50/p90 {err['p10']:+.3f}/{err['p50']:+.3f}/{err['p90']:+.3f} s; "
-            f"a retry at retry_after accepted {100 * a['retry_accepted']:.0f}% "
-            f"(arrivals accepted overall {100 * a['accept_share_of_arrivals']:.0f}%)")
+    return (f"{a['refusals']} refusals; retry_after p50 {s(ra['p50'])} s "
+            f"(p10 {s(ra['p10'])}, p90 {s(ra['p90'])}); "
+            f"actual wait until accepted p50 {s(actual['p50'])} s (p90 {s(actual['p90'])}); "
+            f"error p10/p50/p90 {s(err['p10'], '+.3f')}/{s(err['p50'], '+.3f')}/{s(err['p90'], '+.3f')} s; "
+            f"a retry at retry_after accepted {pct(a['retry_accepted'])} "
+            f"(arrivals accepted overall {pct(a['accept_share_of_arrivals'])})")
 
 
 REJECT_SAMPLES = 2000
