@@ -504,7 +504,7 @@ def _max_batched_tokens(engine: Any) -> int:
     """The scheduler's token budget per step of a :class:`prefixgate.VllmEngine`."""
     try:
         return int(engine.vllm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
-    except AttributeError:  # not a vLLM engine (_BareVllm keeps it elsewhere): vLLM's default
+    except AttributeError:  # no vLLM config to read: vLLM's default
         return 2048
 
 
