@@ -219,13 +219,15 @@ def fid_cases(args: argparse.Namespace) -> set[str]:
 
 def profile_from_fit(doc: Mapping[str, Any]) -> tuple[tuple[float, ...], dict[str, float]]:
     """The gpu profile's step time and loop costs from a ``gpu_suite --part fit`` JSON, as the
-    committed profile derives them (ingress: 4 workers at the tokenizer's cost per token)."""
+    committed profile derives them (ingress: 4 workers at the tokenizer's own cost per token,
+    ``ingress_token``; fits older than that field give the loop's ``prompt_token``)."""
     from prefixgate.sim import StepTimeModel
 
     names = [f.name for f in dataclasses.fields(StepTimeModel) if f.name != "overlap"]
     step = tuple(float(doc["fit"][n]) for n in names)
     loop = dict(doc["loop_cost"])
-    loop.update(ingress_token=loop["prompt_token"], ingress_workers=4)
+    loop.setdefault("ingress_token", loop["prompt_token"])
+    loop["ingress_workers"] = 4
     return step, loop
 
 
