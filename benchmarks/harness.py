@@ -126,6 +126,8 @@ class _ArmDriver:
             self.loop = LoopServer(self.clock)
             workers = self.loop_cost.ingress_workers
             self.ingress = LoopServer(self.clock, workers) if workers else None
+            if hasattr(engine.engine, "shared_cpus"):  # a profile with no shared core ignores them
+                engine.engine.shared_cpus = (self.loop, *((self.ingress,) if self.ingress else ()))
 
     async def _through_gateway(self, rid: str, request: TraceRequest, prompt: str, params: Any,
                                rec: RequestRecord) -> Any:

