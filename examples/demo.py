@@ -137,10 +137,13 @@ async def run() -> None:
     from vllm import AsyncEngineArgs, SamplingParams
 
     from prefixgate import VllmEngine
+    from prefixgate.vllm_amx import AMX_WORKER_EXTENSION
 
     engine = VllmEngine.from_engine_args(AsyncEngineArgs(
         model=str(MODEL), load_format="dummy", enable_prefix_caching=True, max_model_len=4096,
-        enforce_eager=True, seed=0, disable_log_stats=False))
+        enforce_eager=True, seed=0, disable_log_stats=False,
+        # On an x86 host that reports AMX, vLLM's CPU worker needs it asked for (see the module).
+        worker_extension_cls=AMX_WORKER_EXTENSION))
     try:
         import vllm
 

@@ -19,8 +19,11 @@ def tiny_engine_args(**overrides):
     """vLLM engine arguments for the committed tiny Llama (dummy weights, CPU)."""
     from vllm import AsyncEngineArgs
 
+    from prefixgate.vllm_amx import AMX_WORKER_EXTENSION
+
     kwargs = dict(model=str(MODEL_DIR), load_format="dummy", enable_prefix_caching=True,
-                  max_model_len=4096, enforce_eager=True, seed=0, disable_log_stats=False)
+                  max_model_len=4096, enforce_eager=True, seed=0, disable_log_stats=False,
+                  worker_extension_cls=AMX_WORKER_EXTENSION)
     kwargs.update(overrides)
     return AsyncEngineArgs(**kwargs)
 
