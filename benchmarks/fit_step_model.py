@@ -55,7 +55,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Fit", "LoopPhase", "StepRecord", "fit", "fit_loop_cost", "main", "measure_loop", "measure_shared"]
+__all__ = ["Fit", "LoopPhase", "StepRecord", "fit", "fit_loop_cost", "main", "measure_loop",
+           "measure_loop_stretch", "measure_shared"]
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_LLAMA = ROOT / "tests" / "fixtures" / "tiny-llama"
@@ -549,6 +550,46 @@ async def measure_shared(engine: Any, make_params: Any, busy: Callable[[], Await
     return min(1.0, max(0.0, stretch)), walls
 
 
+async def measure_loop_stretch(engine: Any, make_params: Any, tokenizer: Any, *, clients: int = 32,
+                               prompt_words: int = 1500, rounds: int = 3, seed: int = 0,
+                               wall: Callable[[], float] = time.perf_counter,
+                               cpu: Callable[[], float] = time.thread_time,
+                               ) -> tuple[float, list[dict[str, float]]]:
+    """How much longer the event loop's work takes while the engine core, on the same core,
+    serves it (vllm-cpu, :func:`benchmarks.engines.keep_off_worker_cores`): ``clients`` clients
+    each tokenize a text of their own on the loop and send it, as the benchmarks' bare clients
+    do; their prompts share nothing, so the engine prefills while the loop still tokenizes. The
+    stretch is the loop's ``wall`` time over its ``cpu`` time (the loop thread's) from the first
+    client's start to the last one's prompt tokenized, less 1; the median of ``rounds``.
+
+    Returns:
+        The stretch (0 or more) and each round's ``wall_s`` and ``cpu_s``.
+    """
+    from prefixgate.engine import EngineRequest
+
+    from .text import TextMaker
+
+    maker = TextMaker(random.Random(seed), tokenizer)
+    serial = itertools.count()
+    rounds_seen: list[dict[str, float]] = []
+    for _ in range(rounds):
+        texts = [maker.text(prompt_words, "mixed") for _ in range(clients)]
+        marks: list[tuple[float, float]] = []
+
+        async def client(text: str, marks: list[tuple[float, float]] = marks) -> int:
+            ids = tokenizer.encode(text)
+            marks.append((wall(), cpu()))
+            request = EngineRequest(f"stretch-{next(serial)}", ids, make_params(1))
+            return await _count(engine.generate(request))
+
+        wall0, cpu0 = wall(), cpu()
+        await asyncio.gather(*(client(t) for t in texts))
+        wall1, cpu1 = max(marks)
+        rounds_seen.append({"wall_s": wall1 - wall0, "cpu_s": cpu1 - cpu0})
+    stretch = statistics.median(r["wall_s"] / r["cpu_s"] for r in rounds_seen) - 1
+    return max(0.0, stretch), rounds_seen
+
+
 async def _count(stream: Any) -> int:
     n = 0
     async for _ in stream:
@@ -664,6 +705,9 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
             info["shared"], info["shared_walls"] = await measure_shared(
                 engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False),
                 tokenize, vocab)
+            info["loop_stretch"], info["loop_stretch_rounds"] = await measure_loop_stretch(
+                engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False),
+                engine.tokenizer)
         if loop:
             await engine.vllm_engine.reset_prefix_cache()
             phases, prompt_token = await measure_loop(
@@ -674,6 +718,9 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
             info["loop_cost"] = fit_loop_cost(phases, prompt_token)
             if frontend_cpus:
                 cost = info["loop_cost"]
+                # Not applied: info["loop_stretch"] (the loop's wall over CPU while the engine core
+                # serves it on the same core) times every cost mended W1 B1's first tokens and
+                # made L 16-28% slow on this machine (benchmarks/README.md, issue 15).
                 if len(frontend_cpus) == 1:
                     # Below 4 CPUs the gateway prepares requests on a thread, and on the one core
                     # the frontend has here that thread runs between the event loop's work, not

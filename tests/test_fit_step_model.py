@@ -24,12 +24,13 @@ from benchmarks.fit_step_model import (
     calibration_steps,
     fit,
     fit_loop_cost,
+    measure_loop_stretch,
     measure_shared,
     report,
     run_calibration,
 )
 from prefixgate.sim import LoopCost, LoopServer, SimClock, SimEngine, StepTimeModel
-from prefixgate.testing import FakeSamplingParams
+from prefixgate.testing import ByteTokenizer, FakeSamplingParams
 
 COEFFICIENTS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota")
 # A refit from synthetic steps must reproduce a committed profile to within this, per coefficient
@@ -261,6 +262,25 @@ async def test_measure_shared_recovers_the_simulators_shared_core(shared: float)
                                       now=sim.clock.now)
     assert got == pytest.approx(shared, abs=0.03)
     assert [w["busy_s"] / w["idle_s"] for w in walls] == pytest.approx([1 + shared] * 3, abs=0.03)
+
+
+
+async def test_measure_loop_stretch_reads_the_loops_wall_over_its_cpu_time() -> None:
+    # Deterministic clocks: each prompt tokenized costs the loop 1 ms of CPU and 1.5 ms of wall
+    # (the engine core took the rest); sending and serving cost none of either.
+    clock = {"wall": 0.0, "cpu": 0.0}
+
+    class Tokenizer(ByteTokenizer):
+        def encode(self, text: str, **kwargs: object) -> list[int]:
+            clock["wall"] += 0.0015
+            clock["cpu"] += 0.001
+            return super().encode(text)
+
+    sim = SimEngine(block_size=16, num_blocks=4096, max_model_len=8192)
+    got, rounds = await measure_loop_stretch(sim, FakeSamplingParams, Tokenizer(), clients=4, prompt_words=50,
+                                             wall=lambda: clock["wall"], cpu=lambda: clock["cpu"])
+    assert got == pytest.approx(0.5)
+    assert [r["cpu_s"] for r in rounds] == pytest.approx([0.004] * 3)
 
 
 _PIN_CHECK = """
