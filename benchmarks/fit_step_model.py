@@ -666,7 +666,7 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
     release_cores()
     engine = VllmEngine(AsyncLLMEngine.from_engine_args(args, stat_loggers=[log.factory()]))
     # As VllmFactory runs the benchmarks it stands for: the frontend beside the engine core on
-    # the cores vLLM reserved (shared_fraction reads the engine core's part of a step there).
+    # the cores vLLM reserved (measure_shared reads how that core's contention slows a step).
     frontend_cpus = keep_off_worker_cores() if cpu and _pin_wanted() else None
     try:
         cfg = engine.vllm_engine.vllm_config
@@ -683,9 +683,10 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
         started = time.monotonic()
         # detokenize=False: the dummy model's ids would keep vLLM's frontend busy detokenizing,
         # and step periods are read where outputs arrive, in that frontend.
-        await run_calibration(engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True,
-                                                               detokenize=False),
-                              cal, vocab, log.tracker)
+        def params(n: int) -> Any:
+            return SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False)
+
+        await run_calibration(engine, params, cal, vocab, log.tracker)
         await asyncio.sleep(0.5)  # the last step's stats arrive after its outputs
         calibrated = len(log.records)  # the loop's floods below step too: not the tracker's
         info = {"engine": "vllm-cpu" if cpu else "vllm", "vllm_version": vllm.__version__,
@@ -702,12 +703,9 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
             async def tokenize() -> None:  # ~1.5 ms on the loop, as a bare client's prompt
                 engine.tokenizer.encode(text)
 
-            info["shared"], info["shared_walls"] = await measure_shared(
-                engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False),
-                tokenize, vocab)
+            info["shared"], info["shared_walls"] = await measure_shared(engine, params, tokenize, vocab)
             info["loop_stretch"], info["loop_stretch_rounds"] = await measure_loop_stretch(
-                engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False),
-                engine.tokenizer)
+                engine, params, engine.tokenizer)
         if loop:
             await engine.vllm_engine.reset_prefix_cache()
             phases, prompt_token = await measure_loop(
