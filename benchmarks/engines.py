@@ -431,6 +431,8 @@ def keep_off_worker_cores() -> set[int] | None:
     procs = _descendants(os.getpid())
     bound: set[int] = set()
     for pid in procs:
+        if pid in _PINNED:  # ours, from an earlier engine (multiprocessing's resource tracker
+            continue        # outlives it): not a worker vLLM bound
         try:
             mask = set(os.sched_getaffinity(pid))
         except OSError:
@@ -442,18 +444,24 @@ def keep_off_worker_cores() -> set[int] | None:
         return None
     for pid in [os.getpid(), *procs]:
         try:
-            if set(os.sched_getaffinity(pid)) == everything:
+            if pid in _PINNED or set(os.sched_getaffinity(pid)) == everything:
                 _pin_process(pid, rest)
+                _PINNED.add(pid)
         except OSError:
             continue
     return rest
 
 
 def release_cores() -> None:
-    """Undoes :func:`keep_off_worker_cores` for this process (before it starts another engine,
-    whose processes inherit its affinity)."""
+    """Undoes :func:`keep_off_worker_cores` for this process and the processes it moved that are
+    still alive (before it starts another engine, whose processes inherit its affinity)."""
     if hasattr(os, "sched_setaffinity"):
-        _pin_process(os.getpid(), set(_MACHINE_CPUS))
+        for pid in {os.getpid(), *_PINNED}:
+            _pin_process(pid, set(_MACHINE_CPUS))
+        _PINNED.clear()
+
+
+_PINNED: set[int] = set()  # the processes keep_off_worker_cores moved
 
 
 def _pin_wanted() -> bool:

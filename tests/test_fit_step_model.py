@@ -296,9 +296,13 @@ seen = {"got": sorted(got), "self": sorted(os.sched_getaffinity(0)),
         "other": sorted(os.sched_getaffinity(other.pid)), "worker": sorted(os.sched_getaffinity(worker.pid))}
 release_cores()
 seen["released"] = sorted(os.sched_getaffinity(0))
+seen["other_released"] = sorted(os.sched_getaffinity(other.pid))
+# A second engine: the processes the first pinning moved (here "other") are not workers.
+print(json.dumps(seen))
+print(json.dumps({"again": sorted(keep_off_worker_cores())}))
+release_cores()
 for p in (worker, other):
     p.kill()
-print(json.dumps(seen))
 """
 
 
@@ -315,4 +319,5 @@ def test_the_frontend_and_its_other_children_move_off_the_cores_a_child_is_bound
     cpus = sorted(os.sched_getaffinity(0))
     assert json.loads(out[0]) == {"none": None}
     assert json.loads(out[1]) == {"got": cpus[1:], "self": cpus[1:], "other": cpus[1:],
-                                  "worker": cpus[:1], "released": cpus}
+                                  "worker": cpus[:1], "released": cpus, "other_released": cpus}
+    assert json.loads(out[2]) == {"again": cpus[1:]}
