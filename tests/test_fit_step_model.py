@@ -50,12 +50,12 @@ async def _plans_and_tracker(block_size: int, max_model_len: int) -> tuple[list[
         # What vLLM reports: running + waiting after the step, and the requests it finished.
         nonlocal in_engine
         exact.append((plan.decode_context, plan.prefill_context, plan.new_requests,  # type: ignore[attr-defined]
-                      plan.new_prompt_tokens))  # type: ignore[attr-defined]
+                      plan.new_prompt_tokens, plan.decode_distinct))  # type: ignore[attr-defined]
         stats = sim.kv_stats()
         now = stats.running + stats.waiting
         finished = sum(r.finished for r, _ in plan.scheduled)  # type: ignore[attr-defined]
-        rebuilt.append(tracker.step(plan.prefill_tokens, plan.decode_seqs,  # type: ignore[attr-defined]
-                                    now - in_engine + finished))
+        rebuilt.append((*tracker.step(plan.prefill_tokens, plan.decode_seqs,  # type: ignore[attr-defined]
+                                      now - in_engine + finished), tracker.decode_distinct))
         in_engine = now
 
     sim = SimEngine(block_size=block_size, num_blocks=64 * max_model_len // block_size, max_num_seqs=128,
@@ -71,6 +71,7 @@ async def test_the_tracker_rebuilds_each_steps_context_work_from_the_counts_vllm
     exact, rebuilt = await _plans_and_tracker(block_size, max_model_len)
     assert len(exact) > 50
     assert any(e[0] for e in exact) and any(e[1] for e in exact) and any(e[2] > 8 for e in exact)
+    assert any(e[4] < e[0] // 4 for e in exact)  # decoders over one prefix: its blocks counted once
     mismatched = [(i, e, r) for i, (e, r) in enumerate(zip(exact, rebuilt, strict=True)) if e != r]
     assert not mismatched, mismatched[:5]
 
@@ -104,27 +105,32 @@ def test_loop_costs_come_apart_into_per_request_per_output_per_token_and_the_gat
                     gateway_request=100e-6, gateway_output=5e-6, gateway_token=0.1e-6)
 
     alone = 0.4e-6  # the tokenizer timed by itself: cheaper than among the frontend's work
+    thread = 0.3e-6  # the gateway's ingress thread, per token (long prompts; short are inline)
 
-    def phase(path: str, max_tokens: int, outputs_each: int, tokens: float) -> LoopPhase:
+    def phase(path: str, max_tokens: int, outputs_each: int, tokens: float,
+              process: bool = True) -> LoopPhase:
         per = want.request + (outputs_each - 1) * want.output + tokens * want.request_token
         if path == "gateway":
             per += (want.gateway_request + (outputs_each - 1) * want.gateway_output
                     + tokens * want.gateway_token)
         if path == "text":
             per += tokens * want.prompt_token
-        return LoopPhase(path, 100, max_tokens, 100 * outputs_each, 100 * per, 1.0, tokens)
+        elsewhere = thread * tokens if path == "gateway" and tokens > 512 else 0.0
+        return LoopPhase(path, 100, max_tokens, 100 * outputs_each, 100 * per, 1.0, tokens,
+                         100 * (per + elsewhere) if process else 0.0)
 
     kinds = (("bare", 1, 1, 70.0), ("bare", 16, 12, 70.0), ("bare", 1, 1, 2100.0),
              ("gateway", 1, 1, 71.0), ("gateway", 16, 9, 71.0), ("gateway", 1, 1, 2090.0))
     phases = [phase(path, k, n, t) for path, k, n, t in kinds]
     text = [phase("text", 1, 1, 70.0), phase("text", 1, 1, 2100.0)]
-    fitted = {k: v for k, v in dataclasses.asdict(want).items() if k != "ingress_workers"}
-    # With text floods, prompt_token is their excess over bare; the ingress workers tokenize
-    # alone, at the tokenizer's own cost (their number is set, not fitted).
+    fitted = {k: v for k, v in dataclasses.asdict(want).items() if isinstance(v, float)}
+    # With text floods, prompt_token is their excess over bare; the ingress thread's cost is the
+    # gateway floods' CPU outside the loop's thread (their number is set, not fitted).
     got = fit_loop_cost((phases + text) * 3, alone)
-    assert got == pytest.approx({**fitted, "ingress_token": alone}, rel=1e-9)
-    # Without, both are the tokenizer's own cost.
-    got = fit_loop_cost(phases * 3, alone)
+    assert got == pytest.approx({**fitted, "ingress_token": thread}, rel=1e-9)
+    # Without either, both are the tokenizer's own cost.
+    bare = [phase(path, k, n, t, process=False) for path, k, n, t in kinds]
+    got = fit_loop_cost(bare * 3, alone)
     assert got == pytest.approx({**fitted, "prompt_token": alone, "ingress_token": alone}, rel=1e-9)
 
 
@@ -159,6 +165,36 @@ async def test_a_pool_of_workers_runs_as_many_pieces_of_work_side_by_side_each_i
     assert done == pytest.approx({"a": 0.010, "b": 0.004, "c": 0.007, "d": 0.008})
     with pytest.raises(ValueError, match="at least one worker"):
         LoopServer(clock, workers=0)
+
+
+async def test_threads_on_a_shared_core_split_it_while_both_have_work() -> None:
+    from prefixgate.sim import CoreThread, SharedCore
+
+    clock = SimClock()
+    core = SharedCore(clock)
+    loop, ingress = core.thread(), core.thread()
+
+    async def work(thread: CoreThread, at: float, seconds: float) -> float:
+        await clock.sleep(at)
+        await thread.spend(seconds)
+        return clock.now()
+
+    # ingress: 10 ms then 10 ms queued at 0; the loop: 2 ms at 1 ms, 4 ms at 20 ms.
+    # 0-1 ms ingress alone (1 ms done); 1-5 ms both at half speed (loop's 2 ms done at 5 ms,
+    # ingress at 3 ms); 5-12 ms ingress alone finishes its first job; 12-20 ms its second runs
+    # alone (8 ms of 10); 20-24 ms both (2 ms each: ingress done at 24); the loop's last 2 ms alone.
+    done = await asyncio.gather(work(ingress, 0.0, 0.010), work(ingress, 0.0, 0.010),
+                                work(loop, 0.001, 0.002), work(loop, 0.020, 0.004))
+    assert done == pytest.approx([0.012, 0.024, 0.005, 0.026])
+    # Each thread's CPU time, its share while both ran: the CPU was never busier than one.
+    assert loop.busy_between(0.0, 0.030) == pytest.approx(0.006)
+    assert ingress.busy_between(0.0, 0.030) == pytest.approx(0.020)
+    assert loop.busy_seconds == pytest.approx(0.006) and ingress.busy_seconds == pytest.approx(0.020)
+    # Alone, a thread has the core: FIFO, as LoopServer.
+    solo = SharedCore(clock).thread()
+    start = clock.now()
+    await solo.spend(0.003)
+    assert clock.now() - start == pytest.approx(0.003)
 
 
 async def test_a_client_sees_its_first_token_only_once_the_busy_loop_has_read_it() -> None:

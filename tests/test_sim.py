@@ -557,3 +557,82 @@ async def test_a_gateway_on_the_simulator_predicts_its_hits():
         results = await asyncio.gather(*(ask(i) for i in range(6)))
     assert all(predicted == cached for predicted, cached in results)
     assert results[0] == (0, 0) and results[1][1] > 0
+
+
+async def test_the_engine_cores_part_of_a_step_takes_turns_with_the_frontend_on_their_core():
+    from prefixgate.sim import SharedCore
+
+    async def step_seconds(loop_work: float) -> tuple[list[float], float]:
+        seconds: list[float] = []
+        sim = SimEngine(block_size=16, num_blocks=64, max_model_len=256,
+                        step_time=StepTimeModel(alpha=0.010, beta=0.0, gamma=0.0, shared=0.4),
+                        on_step=lambda _t, s, _p: seconds.append(s))
+        core = SharedCore(sim.clock)
+        sim.core_thread, loop = core.thread(), core.thread()
+        work = asyncio.ensure_future(loop.spend(loop_work))
+        await sim.clock.sleep(0)
+        await collect(sim, "r", [1, 2, 3], max_tokens=3)
+        await work
+        return seconds, loop.busy_between(0.0, 1.0)
+
+    # Alone, a step is its 4 ms on the core and 6 ms waiting for the worker.
+    assert (await step_seconds(0.0))[0] == pytest.approx([0.010] * 3)
+    # With the loop busy throughout, the engine core's 4 ms take 8 ms: 1 + shared as long.
+    steps, busy = await step_seconds(1.0)
+    assert steps == pytest.approx([0.014] * 3)
+    # The loop lost the core for half of those 8 ms, 12 ms in all, and not while the worker ran.
+    assert busy == pytest.approx(1.0 - 0.012)
+
+
+async def test_the_output_processor_reads_each_steps_outputs_on_the_loop_before_the_client_sees_them():
+    from prefixgate.sim import LoopServer
+
+    sim = SimEngine(block_size=16, num_blocks=64, max_model_len=256,
+                    step_time=StepTimeModel(alpha=0.010, beta=0.0, gamma=0.0))
+    loop = LoopServer(sim.clock)
+    sim.output_cpu, sim.output_cost = loop, 0.002
+    seen: list[float] = []
+    outputs = sim.generate(EngineRequest("r", [1, 2, 3], FakeSamplingParams(3)))
+    async for _ in outputs:
+        seen.append(sim.clock.now())
+    # Each step's output reaches the client 2 ms after the step, while the engine steps on.
+    assert seen == pytest.approx([0.012, 0.022, 0.032])
+    assert loop.busy_seconds == pytest.approx(0.006)
+    # Two requests with an output in one step: the processor reads both before either sees it.
+    seen.clear()
+
+    async def one(rid: str) -> None:
+        async for _ in sim.generate(EngineRequest(rid, [5, 6, 7], FakeSamplingParams(1))):
+            seen.append(sim.clock.now())
+
+    start = sim.clock.now()
+    await asyncio.gather(one("a"), one("b"))
+    assert [t - start for t in seen] == pytest.approx([0.014, 0.014])
+
+
+def test_kappa_counts_a_shared_prefixs_kv_once_per_step():
+    model = StepTimeModel(alpha=1e-3, beta=0.0, gamma=0.0, delta=1e-6, kappa=2e-6)
+    # 4 decoders of 1,000 tokens, 900 of them a prefix they share: 4,000 read, 1,300 distinct.
+    assert model.seconds(0, 4, decode_context=4000, decode_distinct=1300) == pytest.approx(
+        1e-3 + 4e-3 + 2.6e-3)
+    assert model.seconds(0, 4, decode_context=4000) == pytest.approx(1e-3 + 4e-3 + 8e-3)
+
+
+def test_the_plan_counts_blocks_that_decoders_share_once():
+    core = SimScheduler(block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=512,
+                        max_model_len=128, enable_caching=True)
+    prefix = list(range(100, 116))  # 4 full blocks
+    core.add_request(req("r0", [*prefix, 0, 0], max_tokens=8))
+    plans = [core.schedule()]
+    core.update(plans[0])  # its prefix is cached: the others' hit it
+    for i in (1, 2):
+        core.add_request(req(f"r{i}", [*prefix, i, i], max_tokens=8))
+    while core.has_work():
+        plan = core.schedule()
+        plans.append(plan)
+        core.update(plan)
+    decodes = [p for p in plans if p.decode_seqs == 3]
+    assert decodes
+    for p in decodes:  # each reads the 16 shared tokens and its own; the 16 are counted once
+        assert p.decode_distinct == p.decode_context - 2 * 16
+    assert all(p.decode_distinct == p.decode_context for p in plans if p.decode_seqs == 1)

@@ -10,6 +10,6 @@ imports this package; tests, benchmarks and fleet-scale what-ifs do.
 from __future__ import annotations
 
 from .engine import SimClock, SimEngine, StepTimeModel
-from .loop import LoopCost, LoopServer
+from .loop import CoreThread, LoopCost, LoopServer, SharedCore
 
-__all__ = ["LoopCost", "LoopServer", "SimClock", "SimEngine", "StepTimeModel"]
+__all__ = ["CoreThread", "LoopCost", "LoopServer", "SharedCore", "SimClock", "SimEngine", "StepTimeModel"]

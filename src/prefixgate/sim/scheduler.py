@@ -276,6 +276,8 @@ class StepPlan:
             core takes each in before its next step: decodes it and hashes every block of its
             prompt, work that delays that step).
         new_prompt_tokens: Their prompt tokens, summed (cached or not).
+        decode_distinct: ``decode_context`` counting each KV block once, however many of the
+            decoding requests share it (a common prefix's blocks, read once per step).
     """
 
     scheduled: tuple[tuple[SimRequest, int], ...]
@@ -286,6 +288,7 @@ class StepPlan:
     prefill_context: int = 0
     new_requests: int = 0
     new_prompt_tokens: int = 0
+    decode_distinct: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -416,17 +419,22 @@ class SimScheduler:
                 request.num_computed = hit_tokens
                 scheduled.append((request, n))
                 budget -= n
-        prefill = decode = decode_context = prefill_context = 0
+        prefill = decode = decode_context = prefill_context = shared_blocks = 0
+        seen: set[int] = set()
         for request, n in scheduled:
             if n == 1 and request.num_output and request.num_computed == request.num_tokens - 1:
                 decode += 1
                 decode_context += request.num_tokens
+                before = len(seen)
+                seen.update(request.blocks)
+                shared_blocks += len(request.blocks) - (len(seen) - before)
             else:
                 prefill += n
                 prefill_context += n * (request.num_computed + n // 2)
             request.num_computed += n
         return StepPlan(tuple(scheduled), prefill, decode, preempted, decode_context, prefill_context,
-                        new_requests, new_prompt_tokens)
+                        new_requests, new_prompt_tokens,
+                        decode_context - shared_blocks * self.block_size)
 
     def update(self, plan: StepPlan) -> list[SimRequest]:
         """Applies a finished step: samples one token per request whose prefill is complete.
