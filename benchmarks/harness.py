@@ -167,19 +167,22 @@ class _ArmDriver:
         assert self.gateway is not None
         last = None
         loop, cost = self.loop, self.loop_cost
-        if loop is not None:  # the simulator's tokenizer is memoized: counting costs no time
-            tokens = len(self.engine.engine.tokenizer.encode(prompt))
-            if self.ingress is not None:  # prepared by a worker before the gateway queues it
-                await self.ingress.spend(cost.ingress_token * tokens)
-            # The first output's share of the request cost is paid when it arrives (below):
-            # a client sees its first token only once the loop has read it.
-            await loop.spend(max(0.0, cost.request - cost.output)
-                             + max(0.0, cost.gateway_request - cost.gateway_output)
-                             + (cost.request_token + cost.gateway_token) * tokens)
         t0 = time.perf_counter()
+        # The gateway stamps the request's arrival here, at the call, as the real one does
+        # before its ingress: charging the ingress first would spread one burst's arrivals over
+        # the time it takes to prepare them all, and the aging bound reads that spread.
         stream = self.gateway.generate(prompt, params, request_id=rid, tenant=request.tenant)
         t1 = time.perf_counter()
         async with stream:
+            if loop is not None:  # the simulator's tokenizer is memoized: counting costs no time
+                tokens = len(self.engine.engine.tokenizer.encode(prompt))
+                if self.ingress is not None:  # prepared by a worker before the gateway queues it
+                    await self.ingress.spend(cost.ingress_token * tokens)
+                # The first output's share of the request cost is paid when it arrives (below):
+                # a client sees its first token only once the loop has read it.
+                await loop.spend(max(0.0, cost.request - cost.output)
+                                 + max(0.0, cost.gateway_request - cost.gateway_output)
+                                 + (cost.request_token + cost.gateway_token) * tokens)
             try:
                 async for out in stream:
                     if loop is not None:

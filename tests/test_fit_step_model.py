@@ -237,6 +237,28 @@ async def test_through_ingress_workers_a_request_is_queued_only_once_a_worker_ha
     assert spans[0] < spans[4] < spans[1]  # four share the work; none charges nothing
 
 
+async def test_the_gateway_stamps_a_burst_arrival_at_the_call_before_its_ingress() -> None:
+    from benchmarks.engines import SimFactory
+    from benchmarks.harness import run_arm
+    from benchmarks.workloads import make_trace
+    from prefixgate.testing import ByteTokenizer
+
+    # As the real gateway does: the arrival is stamped when generate() is called, and the ingress
+    # worker's time is part of the queue wait. Stamped after it, one burst's arrivals would
+    # spread over the whole ingress, and the aging bound (which reads that spread) would fire.
+    trace = make_trace("W1", "sim", seed=0, tokenizer=ByteTokenizer(),
+                       overrides={"groups": 2, "per_group": 4, "prefix_tokens": 64, "suffix_tokens": 8,
+                                  "max_tokens": 2})
+    tokens = [len(ByteTokenizer().encode(r.prompt)) for r in trace.requests]
+    cost = {"request": 1e-4, "ingress_token": 1e-3, "ingress_workers": 1}
+    running = await SimFactory("sim", ByteTokenizer(), loop_cost=cost).start(caching=True, kv_cap_tokens=None)
+    run = await run_arm("L", 0, trace, running)
+    waits = [r.queue_wait for r in run.records]
+    assert all(w is not None for w in waits)
+    assert max(waits) >= sum(tokens) * 1e-3  # the last one prepared waited for every prompt
+    assert run.gateway["aged_dispatches"] == 0
+
+
 @pytest.mark.parametrize("bad", [-1e-6, float("inf"), float("nan"), True])
 def test_a_loop_cost_must_be_a_finite_non_negative_number(bad: float) -> None:
     with pytest.raises(ValueError, match=r"LoopCost\.output"):
