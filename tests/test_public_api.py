@@ -30,9 +30,9 @@ def test_every_error_names_its_outcome_and_says_when_it_is_raised():
 
 
 def test_every_member_of_an_exported_policy_protocol_is_documented():
-    """Protocols users implement (ordering, admission): each method has a docstring and each
+    """Protocols users implement (ordering, admission, placement): each method has a docstring and each
     attribute is described in the class docstring."""
-    for protocol in (prefixgate.OrderingPolicy, prefixgate.AdmissionPolicy):
+    for protocol in (prefixgate.OrderingPolicy, prefixgate.AdmissionPolicy, prefixgate.PlacementPolicy):
         assert protocol.__doc__ and len(protocol.__doc__) > 100
         members = [n for n in vars(protocol) if not n.startswith("_")]
         assert members, protocol

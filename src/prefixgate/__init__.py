@@ -47,8 +47,9 @@ from .errors import (
 from .gateway import Gateway
 from .keys import BlockHash, Namespace, block_hashes
 from .ordering import Fcfs, OrderingPolicy, PrefixOrder, PriorityOrder
+from .placement import ConsistentHash, CostPlacement, LeastLoaded, PlacementPolicy, ReplicaState, RoundRobin
 from .policies import AdmissionPolicy, Refusal, TokenBudget, Usage
-from .statistics import GatewayStatistics, RuleStats
+from .statistics import GatewayStatistics, ReplicaStatistics, RuleStats
 from .streaming import ResponseStream
 from .tickets import Ticket, TicketState
 from .vllm_engine import VllmEngine
@@ -65,6 +66,8 @@ __all__ = (
     "CanonicalizeConfig",
     "Canonicalized",
     "Clock",
+    "ConsistentHash",
+    "CostPlacement",
     "Engine",
     "EngineDead",
     "EngineError",
@@ -78,12 +81,14 @@ __all__ = (
     "GatewayStatistics",
     "InvalidRequest",
     "KvStats",
+    "LeastLoaded",
     "Media",
     "MonotonicClock",
     "Namespace",
     "OrderingPolicy",
     "Outcome",
     "Overloaded",
+    "PlacementPolicy",
     "PrefixOrder",
     "PrefixgateError",
     "PriorityOrder",
@@ -94,9 +99,12 @@ __all__ = (
     "Reason",
     "Refusal",
     "Rejected",
+    "ReplicaState",
+    "ReplicaStatistics",
     "RequestTooLarge",
     "ResponseStream",
     "RetryableRejection",
+    "RoundRobin",
     "Rule",
     "RuleCount",
     "RuleStats",

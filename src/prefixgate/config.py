@@ -147,6 +147,19 @@ class GatewayConfig:
             shared by the gateways that share it) or class (instantiated once per gateway),
             such as :class:`~prefixgate.TokenBudget`; a refusal raises ``AdmissionRefused``
             before any engine call. ``None`` (the default): none.
+
+    Placement (a gateway over several engines; see :mod:`prefixgate.placement`):
+        placement: Which replica serves a request: ``"consistent_hash"`` (the default: by its
+            prefix, with bounded loads), ``"cost"``, ``"least_loaded"``, ``"round_robin"``, or
+            your own :class:`~prefixgate.PlacementPolicy` instance. Queueing, ordering and
+            admission then run per replica.
+        placement_epsilon: Bounded loads: a replica takes a request while its load (requests
+            placed there and not ended) is under ``(1 + epsilon)`` times the mean, plus
+            ``placement_margin``.
+        placement_margin: Requests a replica may carry above that bound before a prefix
+            spills to the next replica, so that load noise does not split a prefix.
+        route_prefix_tokens: Requests sharing this many leading tokens are placed alike (the
+            routing key is the block key at this depth, at least one block).
     """
 
     canonicalize: CanonicalizeConfig | str = field(default_factory=CanonicalizeConfig)
@@ -178,6 +191,10 @@ class GatewayConfig:
     stall_timeout: float | None = 60.0
     max_queue_wait: float | None = None
     admission_policy: Any = None
+    placement: Any = "consistent_hash"
+    placement_epsilon: float = 0.25
+    placement_margin: int = 2
+    route_prefix_tokens: int = 256
 
     def __post_init__(self) -> None:
         if isinstance(self.canonicalize, str):
@@ -228,6 +245,14 @@ class GatewayConfig:
                "release(ticket, usage, now) methods")
         _check("tenant_order", self.tenant_order in TENANT_ORDERS, self.tenant_order,
                f"one of {TENANT_ORDERS}")
+        from .placement import PLACEMENTS, PlacementPolicy
+
+        _check("placement", self.placement in PLACEMENTS if isinstance(self.placement, str)
+               else isinstance(self.placement, PlacementPolicy), self.placement,
+               f"one of {sorted(PLACEMENTS)} or a PlacementPolicy instance (with place(ticket, replicas))")
+        _check("placement_epsilon", self.placement_epsilon >= 0, self.placement_epsilon, ">= 0")
+        _check("placement_margin", self.placement_margin >= 0, self.placement_margin, ">= 0")
+        _check("route_prefix_tokens", self.route_prefix_tokens >= 1, self.route_prefix_tokens, ">= 1")
         if self.tenant_order == "global":
             circular = (ORDERING_POLICIES[self.ordering]().circular if isinstance(self.ordering, str)
                         else self.ordering.circular)

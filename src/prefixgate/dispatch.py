@@ -70,6 +70,9 @@ class Dispatcher:
         prepare: Prepares a request off the event loop (or inline) into its ticket.
         gate: Runs the configured ``AdmissionPolicy``, if any: consulted before rate limits and
             the queue, told of every ticket it admitted once that ticket ends.
+        live: The request ids of live streams, when several dispatchers (one per replica) share
+            one gateway's; a dict of its own when ``None``.
+        throttles: The tenants' rate limiters, likewise shared; its own when ``None``.
 
     Attributes:
         live: Request ids of streams not yet ended, with their ticket once prepared.
@@ -80,7 +83,8 @@ class Dispatcher:
 
     def __init__(self, replica: Replica, scheduler: Scheduler, *, config: GatewayConfig, clock: Clock,
                  stats: StatsRecorder, prepare: Callable[[IngressRequest], Awaitable[Ticket]],
-                 gate: AdmissionGate | None = None) -> None:
+                 gate: AdmissionGate | None = None, live: dict[str, Ticket | None] | None = None,
+                 throttles: TenantThrottles | None = None) -> None:
         self.replica = replica
         self.scheduler = scheduler
         self.config = config
@@ -88,9 +92,12 @@ class Dispatcher:
         self.stats = stats
         self._prepare = prepare
         self.gate = gate
-        self.live: dict[str, Ticket | None] = {}
+        self.live: dict[str, Ticket | None] = {} if live is None else live
         self.closing = False
-        self.throttles = TenantThrottles(config.tenants, config.default_tenant_limits, clock)
+        self.throttles = (TenantThrottles(config.tenants, config.default_tenant_limits, clock)
+                          if throttles is None else throttles)
+        self.on_release: Callable[[Ticket], None] | None = None
+        """Called with each ticket as it ends (the router's placement bookkeeping)."""
         self.shedder = LoadShedder(scheduler, replica.admission, slots=replica.slots,
                                    max_queue_wait=config.max_queue_wait)
         self._pump_scheduled = False
@@ -431,6 +438,8 @@ class Dispatcher:
         self.stats.end(ticket)
         if self.gate is not None:
             self.gate.release(ticket)
+        if self.on_release is not None:
+            self.on_release(ticket)
         if not scheduler.running:
             self._idle.set()
             self.replica.idle()

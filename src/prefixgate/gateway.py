@@ -37,9 +37,11 @@ from .errors import InvalidRequest, PrefixgateError, UsageError
 from .ingress import Ingress, IngressRequest, Prompt
 from .ingress_pool import IngressPool, IngressPoolError, ProcessIngressPool, ThreadIngressPool
 from .ordering import make_policy
+from .placement import ReplicaState, make_placement
 from .policies import AdmissionGate, make_admission_policy
 from .queueing import Scheduler
 from .replica import Replica
+from .router import Router, Unit
 from .statistics import GatewayStatistics, StatsRecorder
 from .streaming import ResponseStream
 from .tickets import Ticket
@@ -55,7 +57,9 @@ _PROCESS_POOL_CPUS = 4
 
 
 class Gateway:
-    """prefixgate's front door for one engine (one :class:`~prefixgate.replica.Replica`).
+    """prefixgate's front door for one engine (one :class:`~prefixgate.replica.Replica`), or for
+    several: then each request is placed on one of them (``GatewayConfig.placement``; see
+    :mod:`prefixgate.placement`) and queued, admitted and served there.
 
     Use as an async context manager; on exit it stops accepting requests, ends queued ones with
     :class:`~prefixgate.errors.ShuttingDown` and waits for running ones to finish. A gateway
@@ -63,19 +67,64 @@ class Gateway:
     :class:`~prefixgate.errors.UsageError`.
 
     Args:
-        engine: Any :class:`~prefixgate.engine.Engine` (see :meth:`for_vllm` for vLLM).
+        engine: Any :class:`~prefixgate.engine.Engine` (see :meth:`for_vllm` for vLLM), or a
+            sequence of them (replicas of one model: the same model name, block size and
+            tokenizer; prompts are prepared once, with the first one's tokenizer).
         config: The gateway's configuration; defaults when ``None``.
         clock: Time source; the monotonic clock when ``None``.
+        names: With several engines, each one's name (placement hashes names, so gateways
+            that should agree on where a prefix goes need the same names); an engine's
+            ``replica_name`` attribute, else ``"replica-<i>"``, when ``None``.
+
+    Raises:
+        ValueError: No engine; replicas whose model name or block size differ; names not one
+            per engine or not distinct.
     """
 
-    def __init__(self, engine: Engine, config: GatewayConfig | None = None, *,
-                 clock: Clock | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine | Sequence[Engine], config: GatewayConfig | None = None, *,
+                 clock: Clock | None = None, names: Sequence[str] | None = None) -> None:
+        engines = _engines(engine, names)
+        self.engine = engines[0][1]
+        self.engines: tuple[Engine, ...] = tuple(e for _, e in engines)
+        """The engines it fronts (one, unless it was given several)."""
         self.config = config or GatewayConfig()
         self.clock = clock or MonotonicClock()
         config = self.config
-        self._ingress = Ingress(engine, config, self.clock)
-        self._replica = replica = Replica(engine, config, self.clock)
+        self._ingress = Ingress(self.engine, config, self.clock)
+        self._stats = StatsRecorder()
+        gate = (None if config.admission_policy is None  # the AdmissionPolicy, if any
+                else AdmissionGate(make_admission_policy(config.admission_policy), self.clock))
+        self._replica, self._scheduler = self._unit(self.engine)
+        self._dispatch: Dispatcher | Router = Dispatcher(
+            self._replica, self._scheduler, config=config, clock=self.clock, stats=self._stats,
+            prepare=self._prepare, gate=gate)
+        self._router: Router | None = None
+        if len(engines) > 1:
+            first = self._dispatch
+            units = [Unit(self._replica, self._scheduler, first,
+                          ReplicaState(0, engines[0][0], self._replica.mirror, self.engine.block_size))]
+            for i, (name, e) in enumerate(engines[1:], start=1):
+                replica, scheduler = self._unit(e)
+                dispatcher = Dispatcher(replica, scheduler, config=config, clock=self.clock,
+                                        stats=self._stats, prepare=self._prepare, gate=gate,
+                                        live=first.live, throttles=first.throttles)
+                units.append(Unit(replica, scheduler, dispatcher,
+                                  ReplicaState(i, name, replica.mirror, e.block_size)))
+            policy = make_placement(config.placement, epsilon=config.placement_epsilon,
+                                    margin=config.placement_margin,
+                                    route_prefix_tokens=config.route_prefix_tokens)
+            self._router = self._dispatch = Router(units, policy, stats=self._stats, live=first.live)
+        self._live = self._dispatch.live  # request ids of streams not yet ended
+        # What every stream is handed: bound once here, not once per request.
+        self._serve, self._forget = self._dispatch.serve, self._dispatch.forget
+        self._pool: IngressPool | None = self._make_pool()
+        self._closers: set[asyncio.Future[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _unit(self, engine: Engine) -> tuple[Replica, Scheduler]:
+        """A replica of ``engine`` and the scheduler that decides for it."""
+        config = self.config
+        replica = Replica(engine, config, self.clock)
         max_in_flight = config.max_in_flight
         if max_in_flight is None and replica.slots:
             # Keep the engine's own queue fed (up to max_num_seqs more than it runs): a slot the
@@ -84,24 +133,13 @@ class Gateway:
             # exactly max_num_seqs cost W1 a quarter of its throughput). The KV ledger still
             # holds back whatever would not fit, which is where ordering pays.
             max_in_flight = 2 * replica.slots
-
-        self._scheduler = Scheduler(
+        scheduler = Scheduler(
             make_policy(config.ordering), admission=replica.admission, mirror=replica.mirror,
             clock=self.clock, max_queue_len=config.max_queue_len, max_in_flight=max_in_flight,
             max_wait_factor=config.max_wait_factor, min_aging_wait=config.min_aging_wait,
             tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits,
             share_base=replica.slots, tenant_order=config.tenant_order)
-        self._stats = StatsRecorder()
-        gate = (None if config.admission_policy is None  # the AdmissionPolicy, if any
-                else AdmissionGate(make_admission_policy(config.admission_policy), self.clock))
-        self._dispatch = Dispatcher(replica, self._scheduler, config=config, clock=self.clock,
-                                    stats=self._stats, prepare=self._prepare, gate=gate)
-        self._live = self._dispatch.live  # request ids of streams not yet ended
-        # What every stream is handed: bound once here, not once per request.
-        self._serve, self._forget = self._dispatch.serve, self._dispatch.forget
-        self._pool: IngressPool | None = self._make_pool()
-        self._closers: set[asyncio.Future[Any]] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        return replica, scheduler
 
     @classmethod
     def for_vllm(cls, engine: Any, config: GatewayConfig | None = None, *,
@@ -280,19 +318,32 @@ class Gateway:
             ticket = self._ingress.make_ticket(prompt, sampling_params, tenant=tenant,
                                                lora_request=lora_request, request_id="can-admit",
                                                tools=tools, chat_template_kwargs=chat_template_kwargs)
-            self._replica.admission.check_fits_ever(ticket)
+            if self._router is None:
+                self._replica.admission.check_fits_ever(ticket)
+            else:
+                self._router.check_fits_ever(ticket)
         except PrefixgateError:
             return False
         return self._dispatch.can_dispatch(ticket)
 
     def statistics(self) -> GatewayStatistics:
-        """A frozen snapshot of the gateway's counters and the engine's latest KV state."""
+        """A frozen snapshot of the gateway's counters and the engine's latest KV state (with
+        several engines: summed over them, and each one's in ``replicas``)."""
+        router = self._router
+        if router is None:
+            return self._stats.snapshot(
+                queued=self._scheduler.num_waiting + self._scheduler.outside,
+                running=len(self._scheduler.running),
+                kv=self.engine.kv_stats(), reserved_blocks=self._replica.admission.ledger.reserved,
+                median_wait=self._scheduler.median_wait(),
+                aged_dispatches=self._scheduler.aged_dispatches, blocked=self._scheduler.blocked)
+        replicas = router.replica_statistics()
         return self._stats.snapshot(
-            queued=self._scheduler.num_waiting + self._scheduler.outside,
-            running=len(self._scheduler.running),
-            kv=self.engine.kv_stats(), reserved_blocks=self._replica.admission.ledger.reserved,
-            median_wait=self._scheduler.median_wait(),
-            aged_dispatches=self._scheduler.aged_dispatches, blocked=self._scheduler.blocked)
+            queued=sum(r.queued for r in replicas), running=sum(r.running for r in replicas), kv=None,
+            reserved_blocks=sum(r.reserved_blocks for r in replicas), median_wait=router.median_wait(),
+            aged_dispatches=sum(u.scheduler.aged_dispatches for u in router.units),
+            blocked=next((u.scheduler.blocked for u in router.units if u.scheduler.blocked), None),
+            replicas=replicas)
 
     async def aclose(self, *, timeout: float | None = None) -> None:
         """Stops accepting requests, ends queued ones with ``ShuttingDown``, waits up to
@@ -340,7 +391,10 @@ class Gateway:
 
     def _ticket(self, request: IngressRequest, prepared: Any) -> Ticket:
         ticket = self._ingress.ticket(request, prepared)
-        self._replica.admission.check_fits_ever(ticket)
+        if self._router is None:
+            self._replica.admission.check_fits_ever(ticket)
+        else:
+            self._router.check_fits_ever(ticket)
         return ticket
 
     def _claim(self, request_id: str) -> None:
@@ -374,6 +428,30 @@ class Gateway:
         return self._ticket(request, self._ingress.prepare(request))
 
     def __repr__(self) -> str:
+        if self._router is not None:
+            stats = self._router.replica_statistics()
+            return (f"Gateway(replicas={len(stats)}, queued={sum(r.queued for r in stats)}, "
+                    f"running={sum(r.running for r in stats)}, closing={self._dispatch.closing})")
         return (f"Gateway(engine={self.engine!r}, queued={self._scheduler.num_waiting}, "
                 f"running={len(self._scheduler.running)}, closing={self._dispatch.closing})")
+
+
+def _engines(engine: Engine | Sequence[Engine], names: Sequence[str] | None) -> list[tuple[str, Engine]]:
+    """``(name, engine)`` for each engine given, checked to be replicas of one model."""
+    engines: list[Engine] = list(engine) if isinstance(engine, Sequence) else [engine]
+    if not engines:
+        raise ValueError("a gateway needs at least one engine")
+    if names is None:
+        names = [str(getattr(e, "replica_name", None) or f"replica-{i}") for i, e in enumerate(engines)]
+    names = list(names)
+    if len(names) != len(engines) or len(set(names)) != len(names):
+        raise ValueError(f"names must name each engine once, distinctly: {names!r} for "
+                         f"{len(engines)} engines")
+    first = engines[0]
+    for name, e in zip(names[1:], engines[1:], strict=True):
+        if e.block_size != first.block_size or e.model_name != first.model_name:
+            raise ValueError(f"replica {name!r} serves {e.model_name!r} with {e.block_size}-token blocks, "
+                             f"the first {first.model_name!r} with {first.block_size}: a gateway's "
+                             "replicas must serve one model with one block size")
+    return list(zip(names, engines, strict=True))
 

@@ -11,7 +11,30 @@ from .engine import KvStats
 from .errors import Outcome, Reason
 from .tickets import Ticket
 
-__all__ = ["GatewayStatistics", "RuleStats", "StatsRecorder"]
+__all__ = ["GatewayStatistics", "ReplicaStatistics", "RuleStats", "StatsRecorder"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatistics:
+    """One replica of a gateway over several engines.
+
+    Attributes:
+        name: Its name (placement hashes it).
+        alive: Whether it takes requests.
+        placed: Requests placed on it so far.
+        queued: Requests waiting in its queue now.
+        running: Requests its engine is serving now.
+        reserved_blocks: KV blocks reserved by its running requests now.
+        kv: Its engine's latest KV state, or ``None``.
+    """
+
+    name: str
+    alive: bool
+    placed: int
+    queued: int
+    running: int
+    reserved_blocks: int
+    kv: KvStats | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +78,11 @@ class GatewayStatistics:
         reserved_blocks: KV blocks reserved by running requests now.
         median_wait: Median queue wait of recently dispatched requests (seconds), or ``None``.
         aged_dispatches: Dispatches forced by the aging bound.
+        replicas: Per replica, when the gateway has several engines (else empty); the fields above
+            then sum over them (``kv`` is ``None``, ``median_wait`` the median of theirs, ``blocked``
+            the first replica's that is blocked).
+        replaced: Requests placed again on another replica because theirs died before their
+            first output (each is counted once in ``requests`` and ``outcomes``).
         blocked: Why the scheduler last stopped dispatching (a :class:`~prefixgate.errors.Reason`),
             or ``None``.
     """
@@ -76,6 +104,8 @@ class GatewayStatistics:
     median_wait: float | None = None
     aged_dispatches: int = 0
     blocked: Reason | None = None
+    replicas: tuple[ReplicaStatistics, ...] = ()
+    replaced: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -102,6 +132,7 @@ class StatsRecorder:
         self.prompt_tokens = 0
         self.predicted_hit_tokens = 0
         self.engine_cached_tokens = 0
+        self.replaced = 0
 
     def refuse(self, outcome: Outcome, reason: Reason | str | None = None) -> None:
         self.refused[outcome.value] += 1
@@ -122,6 +153,25 @@ class StatsRecorder:
                 row[2] += count.chars_changed
                 row[3] += count.chars_removed
 
+    def replace(self, ticket: Ticket) -> None:
+        """Un-counts ``ticket``, accepted and ended (its replica died before dispatching it),
+        as the request goes on as another ticket, which will be counted."""
+        self.replaced += 1
+        self.requests -= 1
+        if ticket.outcome is not None:
+            self.outcomes[ticket.outcome.value] -= 1
+            if not self.outcomes[ticket.outcome.value]:
+                del self.outcomes[ticket.outcome.value]
+        if ticket.canonicalized:
+            self.canonicalized -= 1
+            self.chars_removed -= ticket.chars_removed
+            for name, count in ticket.canonical_rules.items():
+                row = self.rules[name]
+                row[0] -= 1
+                row[1] -= count.edits
+                row[2] -= count.chars_changed
+                row[3] -= count.chars_removed
+
     def end(self, ticket: Ticket) -> None:
         assert ticket.outcome is not None
         self.outcomes[ticket.outcome.value] += 1
@@ -132,7 +182,7 @@ class StatsRecorder:
 
     def snapshot(self, *, queued: int, running: int, kv: KvStats | None, reserved_blocks: int,
                  median_wait: float | None, aged_dispatches: int,
-                 blocked: Reason | None) -> GatewayStatistics:
+                 blocked: Reason | None, replicas: tuple[ReplicaStatistics, ...] = ()) -> GatewayStatistics:
         return GatewayStatistics(
             requests=self.requests, refused=MappingProxyType(dict(self.refused)),
             outcomes=MappingProxyType(dict(self.outcomes)), canonicalized=self.canonicalized,
@@ -143,6 +193,7 @@ class StatsRecorder:
             engine_cached_tokens=self.engine_cached_tokens, kv=kv,
             rejected_reasons=MappingProxyType(dict(self.reasons)), reserved_blocks=reserved_blocks,
             median_wait=median_wait, aged_dispatches=aged_dispatches, blocked=blocked,
+            replicas=replicas, replaced=self.replaced,
         )
 
     def __repr__(self) -> str:

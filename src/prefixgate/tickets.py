@@ -161,6 +161,14 @@ class Ticket:
         """Its reservations were released at ``now`` (once: ``finished_at`` says whether)."""
         self.finished_at = now
 
+    def requeued(self) -> Ticket:
+        """A fresh ticket (NEW) for the same prepared request, keeping its id, keys and arrival:
+        to place it on another replica when its own died before its first output."""
+        return Ticket(self.request_id, self.tenant, self.namespace, self.prompt_token_ids, self.block_hashes,
+                      self.cacheable_blocks, self.sampling_params, self.max_tokens, self.cache_salt,
+                      self.lora_request, self.priority, self.arrival, self.canonicalized,
+                      self.chars_removed, self.seq, canonical_rules=self.canonical_rules, media=self.media)
+
     @property
     def num_prompt_tokens(self) -> int:
         """Prompt length in tokens."""

@@ -1,0 +1,286 @@
+"""Placement: which replica serves a request, when one gateway fronts several engines.
+
+Each replica has a prefix cache of its own. Round robin sends every prefix to every replica, so
+each must hold all of them; placing requests by their prefix multiplies the effective cache by
+the number of replicas. But a hard affinity rule hot-spots on a popular prefix (one system prompt
+for everyone), and a rule that drops affinity whenever some replica is hot throws it away for
+everyone. A policy here decides from what the gateway knows of each replica (its cache mirror and
+the requests it placed there that have not ended); queueing, ordering and admission then run per
+replica, as with one engine.
+
+Built-in policies, by name (``GatewayConfig.placement``):
+
+* ``"round_robin"``: the next live replica in turn; the baseline.
+* ``"least_loaded"``: the live replica with the fewest requests in flight (placed and not ended).
+* ``"consistent_hash"`` (the default): a ring of the replicas' names; the request's prefix key
+  (its block key at ``route_prefix_tokens``) picks the first live replica clockwise whose load
+  is under ``ceil((1 + epsilon) * (total load + 1) / live replicas) + margin``. Same prefix,
+  same replica while that one is not overloaded; a hot prefix spills to the next replicas on the
+  ring, always the same few. The ring depends only on names and keys, so independent gateways
+  in front of the same replicas agree without talking.
+* ``"cost"``: the replica with the fewest predicted uncached prompt tokens (the prompt less its
+  mirror's match, or less the routed prefix where this policy recently placed that prefix) plus
+  ``weight`` times the uncached tokens already placed there and not ended; ties go by the ring.
+
+A policy is any object with ``place(ticket, replicas) -> index`` (:class:`PlacementPolicy`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import xxhash
+
+from .keys import pack_tokens
+from .mirror import PrefixMirror
+from .tickets import Ticket
+
+__all__ = ["PLACEMENTS", "ConsistentHash", "CostPlacement", "LeastLoaded", "PlacementPolicy",
+           "ReplicaState", "RoundRobin", "make_placement", "prefix_key"]
+
+_digest = xxhash.xxh3_64_intdigest
+
+
+class ReplicaState:
+    """What placement may read of one replica (kept by the gateway; policies must not change it).
+
+    Attributes:
+        index: Its position among the gateway's replicas.
+        name: Its stable name (placement hashes it: keep names equal across gateways).
+        alive: Whether it takes requests (not dead, not taken out by failover).
+        load: Requests placed on it that have not ended (queued or running).
+        pending_tokens: Their predicted uncached prompt tokens, summed.
+        mirror: What its prefix cache holds, as far as the gateway can tell.
+        block_size: Its KV block size in tokens.
+        placed: Requests placed on it so far.
+    """
+
+    __slots__ = ("alive", "block_size", "index", "load", "mirror", "name", "pending_tokens", "placed")
+
+    def __init__(self, index: int, name: str, mirror: PrefixMirror, block_size: int) -> None:
+        self.index = index
+        self.name = name
+        self.alive = True
+        self.load = 0
+        self.pending_tokens = 0
+        self.mirror = mirror
+        self.block_size = block_size
+        self.placed = 0
+
+    def hit_tokens(self, ticket: Ticket) -> int:
+        """Prompt tokens of ``ticket`` its cache is predicted to hold now."""
+        return self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks) * self.block_size
+
+    def __repr__(self) -> str:
+        return (f"ReplicaState({self.name!r}, alive={self.alive}, load={self.load}, "
+                f"pending_tokens={self.pending_tokens})")
+
+
+@runtime_checkable
+class PlacementPolicy(Protocol):
+    """Chooses the replica for a request, in a gateway over several engines.
+
+    ``place`` is called once per request, after ingress (the ticket's token ids and block keys
+    are known) and before its queue: with every replica's :class:`ReplicaState` (read them; do
+    not change them) and at least one of them alive. Return a live replica's ``index``; a
+    policy that returns anything else is overruled (the least loaded live replica) and logged.
+    Keep it cheap: it runs on the event loop for every request. One instance serves one gateway.
+    """
+
+    def place(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
+        """The index of a live replica for ``ticket`` (at least one is live)."""
+        ...
+
+
+def prefix_key(ticket: Ticket, prefix_tokens: int, block_size: int) -> int:
+    """The request's routing key: its block key at ``prefix_tokens`` (or its last full block's
+    when the prompt is shorter; a hash of its tokens when it has no full block). Block keys chain
+    and carry the model, LoRA and tenant namespace, so equal keys mean equal prefixes."""
+    chain = ticket.block_hashes
+    if chain:
+        depth = max(1, prefix_tokens // block_size)
+        return int(chain[min(depth, len(chain)) - 1])
+    return _digest(pack_tokens(ticket.prompt_token_ids), int(ticket.namespace.root()))
+
+
+def _live(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
+    return [r for r in replicas if r.alive]
+
+
+class RoundRobin:
+    """Each live replica in turn."""
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def place(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
+        live = _live(replicas)
+        return live[next(self._turn) % len(live)].index
+
+
+class LeastLoaded:
+    """The live replica with the fewest requests in flight; ties to the one placed on least."""
+
+    def place(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
+        return min(_live(replicas), key=lambda r: (r.load, r.placed, r.index)).index
+
+
+class ConsistentHash:
+    """Bounded-load consistent hashing on the request's prefix key (see the module docstring).
+
+    Args:
+        epsilon: A replica takes a request while its load is under ``(1 + epsilon)`` times the
+            mean load (this request included), rounded up, plus ``margin``.
+        margin: Requests a replica may carry above that bound, so that load noise on a few
+            requests does not spill a prefix.
+        route_prefix_tokens: How much of the prompt the key covers: requests that share this
+            many leading tokens go to the same replica (at least one block).
+        vnodes: Points per replica on the ring (more: a more even split of the key space).
+
+    Raises:
+        ValueError: If ``epsilon`` < 0, ``margin`` < 0, ``route_prefix_tokens`` < 1 or
+            ``vnodes`` < 1.
+    """
+
+    def __init__(self, *, epsilon: float = 0.25, margin: int = 2, route_prefix_tokens: int = 256,
+                 vnodes: int = 64) -> None:
+        if not epsilon >= 0 or margin < 0 or route_prefix_tokens < 1 or vnodes < 1:
+            raise ValueError(f"ConsistentHash needs epsilon >= 0, margin >= 0, route_prefix_tokens >= 1 "
+                             f"and vnodes >= 1 (got {epsilon}, {margin}, {route_prefix_tokens}, {vnodes})")
+        self.epsilon = epsilon
+        self.margin = margin
+        self.route_prefix_tokens = route_prefix_tokens
+        self.vnodes = vnodes
+        self._names: tuple[str, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[int] = []
+
+    def _ring(self, replicas: Sequence[ReplicaState]) -> None:
+        names = tuple(r.name for r in replicas)
+        if names == self._names:
+            return
+        ring = sorted((_digest(f"{name}#{v}".encode()), i) for i, name in enumerate(names)
+                      for v in range(self.vnodes))
+        self._names = names
+        self._points = [p for p, _ in ring]
+        self._owners = [i for _, i in ring]
+
+    def order(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> list[int]:
+        """The replicas' indexes in ring order from ``ticket``'s key, each once."""
+        self._ring(replicas)
+        key = prefix_key(ticket, self.route_prefix_tokens, replicas[0].block_size)
+        start = bisect.bisect_right(self._points, key)
+        owners, seen, out = self._owners, set(), []
+        for k in range(len(owners)):
+            i = owners[(start + k) % len(owners)]
+            if i not in seen:
+                seen.add(i)
+                out.append(i)
+                if len(out) == len(replicas):
+                    break
+        return out
+
+    def bound(self, replicas: Sequence[ReplicaState]) -> int:
+        """The load a live replica must stay under to take one more request."""
+        live = _live(replicas)
+        total = sum(r.load for r in live)
+        return math.ceil((1 + self.epsilon) * (total + 1) / len(live)) + self.margin
+
+    def place(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
+        bound = self.bound(replicas)
+        first = None
+        for i in self.order(ticket, replicas):
+            r = replicas[i]
+            if not r.alive:
+                continue
+            if r.load < bound:
+                return i
+            if first is None:
+                first = i
+        assert first is not None  # a live replica exists; under the bound one always does
+        return first
+
+
+class CostPlacement:
+    """The replica with the least predicted uncached prefill plus weighted queued work.
+
+    A prefix this policy placed lately counts as cached on that replica up to the routed depth
+    (``route_prefix_tokens``), since its mirror learns of it only at dispatch: a burst of one new
+    prefix stays together instead of scattering before its first request runs.
+
+    Args:
+        weight: One uncached prompt token already placed on a replica (and not ended) counts
+            ``weight`` times as much as one this request would compute there: below 1, a hit
+            saves more than the same number of tokens queued ahead costs (the hit saves work
+            for good; the queue only delays).
+        route_prefix_tokens: As :class:`ConsistentHash` (ring order breaks ties).
+        remember: Prefixes placed lately, remembered (least recently placed forgotten first).
+
+    Raises:
+        ValueError: If ``weight`` < 0 or ``remember`` < 0.
+    """
+
+    def __init__(self, *, weight: float = 0.5, route_prefix_tokens: int = 256, remember: int = 65536) -> None:
+        if not weight >= 0 or remember < 0:
+            raise ValueError(f"CostPlacement needs weight >= 0 and remember >= 0 (got {weight}, {remember})")
+        self.weight = weight
+        self.remember = remember
+        self._ring = ConsistentHash(route_prefix_tokens=route_prefix_tokens)
+        self._recent: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+
+    def place(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
+        ring = self._ring
+        order = ring.order(ticket, replicas)
+        key = prefix_key(ticket, ring.route_prefix_tokens, replicas[0].block_size)
+        routed = min(ticket.cacheable_blocks, max(1, ring.route_prefix_tokens // replicas[0].block_size))
+        prompt = ticket.num_prompt_tokens
+        best, best_score = -1, math.inf
+        for i in order:
+            r = replicas[i]
+            if not r.alive:
+                continue
+            hit = r.hit_tokens(ticket)
+            if (key, i) in self._recent:
+                hit = max(hit, routed * r.block_size)
+            score = (prompt - hit) + self.weight * r.pending_tokens
+            if score < best_score:
+                best, best_score = i, score
+        if self.remember:
+            self._recent[(key, best)] = None
+            self._recent.move_to_end((key, best))
+            if len(self._recent) > self.remember:
+                self._recent.popitem(last=False)
+        return best
+
+
+PLACEMENTS: dict[str, Callable[..., PlacementPolicy]] = {
+    "round_robin": RoundRobin, "least_loaded": LeastLoaded, "consistent_hash": ConsistentHash,
+    "cost": CostPlacement,
+}
+
+
+def make_placement(spec: str | PlacementPolicy, *, epsilon: float = 0.25, margin: int = 2,
+                   route_prefix_tokens: int = 256) -> PlacementPolicy:
+    """A placement policy by name (``"round_robin"``, ``"least_loaded"``, ``"consistent_hash"``,
+    ``"cost"``) with these settings, or ``spec`` itself if it is a policy.
+
+    Raises:
+        ValueError: For an unknown name or an object without ``place``.
+    """
+    if isinstance(spec, str):
+        if spec == "consistent_hash":
+            return ConsistentHash(epsilon=epsilon, margin=margin, route_prefix_tokens=route_prefix_tokens)
+        if spec == "cost":
+            return CostPlacement(route_prefix_tokens=route_prefix_tokens)
+        if spec in PLACEMENTS:
+            return PLACEMENTS[spec]()
+        raise ValueError(f"unknown placement {spec!r}; one of {sorted(PLACEMENTS)}")
+    if not isinstance(spec, PlacementPolicy):
+        raise ValueError(f"a placement policy needs a place(ticket, replicas) method, got {spec!r}")
+    return spec
+

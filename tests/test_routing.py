@@ -1,0 +1,236 @@
+"""A gateway over several engines: placement policies, per-replica queues, failover."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from prefixgate import (
+    ConsistentHash,
+    CostPlacement,
+    EngineDead,
+    Gateway,
+    GatewayConfig,
+    LeastLoaded,
+    Namespace,
+    ReplicaState,
+    RoundRobin,
+    Ticket,
+    block_hashes,
+)
+from prefixgate.keys import cacheable_blocks
+from prefixgate.mirror import PrefixMirror
+from prefixgate.placement import make_placement, prefix_key
+from prefixgate.sim import SimClock, SimEngine
+from prefixgate.testing import ByteTokenizer, FakeEngine, FakeSamplingParams
+
+SP = FakeSamplingParams(max_tokens=2)
+
+
+def ticket(tokens: Sequence[int], rid: str = "r", block_size: int = 4, tenant: str | None = None) -> Ticket:
+    ns = Namespace("m", tenant=tenant)
+    chain = block_hashes(tokens, block_size, ns)
+    return Ticket(rid, tenant, ns, list(tokens), tuple(chain), cacheable_blocks(len(tokens), block_size), SP,
+                  2, None, None, 0, 0.0, False, 0, 0)
+
+
+def replicas(n: int, block_size: int = 4) -> list[ReplicaState]:
+    return [ReplicaState(i, f"replica-{i}", PrefixMirror(1024), block_size) for i in range(n)]
+
+
+async def drain(stream):
+    return [out async for out in stream]
+
+
+# -- policies ------------------------------------------------------------------------------
+
+
+def test_consistent_hash_keeps_a_prefix_on_one_replica_and_independent_routers_agree():
+    states = replicas(8)
+    a, b = ConsistentHash(route_prefix_tokens=16), ConsistentHash(route_prefix_tokens=16)
+    for group in range(50):
+        prefix = [group + 1] * 16
+        placed = {a.place(ticket([*prefix, 100 + i, 7, 7, 7]), states) for i in range(6)}
+        assert len(placed) == 1  # the suffix beyond route_prefix_tokens does not matter
+        assert placed == {b.place(ticket([*prefix, 9, 9, 9, 9]), states)}
+    spread = collections.Counter(a.place(ticket([g + 1] * 16), states) for g in range(400))
+    assert len(spread) == 8 and max(spread.values()) < 3 * min(spread.values())
+
+
+def test_consistent_hash_spills_a_hot_prefix_to_the_next_replica_on_the_ring_within_the_bound():
+    states = replicas(4)
+    policy = ConsistentHash(epsilon=0.25, margin=1, route_prefix_tokens=8)
+    hot = ticket([5] * 8 + [1, 2, 3, 4])
+    order = policy.order(hot, states)
+    placed = []
+    for _ in range(40):  # nothing ends: every placement adds load
+        i = policy.place(hot, states)
+        states[i].load += 1
+        placed.append(i)
+    loads = [s.load for s in states]
+    assert placed[0] == order[0] and max(loads) <= policy.bound(states)
+    assert max(loads) / (sum(loads) / 4) <= 1.25 + 1 / 10 + 0.1
+    # A dead replica is skipped; the ring order of the rest is unchanged.
+    states[order[0]].alive = False
+    states[order[0]].load = 0
+    assert policy.place(hot, states) in order[1:]
+
+
+def test_round_robin_least_loaded_and_names():
+    states = replicas(3)
+    rr = RoundRobin()
+    assert [rr.place(ticket([1]), states) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    states[1].alive = False
+    assert {rr.place(ticket([1]), states) for _ in range(4)} == {0, 2}
+    states[0].load = 3
+    assert LeastLoaded().place(ticket([1]), states) == 2
+    assert isinstance(make_placement("cost"), CostPlacement)
+    assert make_placement(rr) is rr
+    with pytest.raises(ValueError, match="unknown placement"):
+        make_placement("random")
+    with pytest.raises(ValueError, match="place"):
+        make_placement(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="placement"):
+        GatewayConfig(placement="nearest")
+    with pytest.raises(ValueError):
+        ConsistentHash(epsilon=-0.1)
+
+
+def test_cost_follows_the_mirror_and_keeps_a_new_prefix_together_before_its_first_dispatch():
+    states = replicas(3)
+    policy = CostPlacement(route_prefix_tokens=16)
+    cached = ticket([3] * 16 + [1, 1, 1, 1])
+    states[2].mirror.insert(cached.block_hashes[:4])
+    assert policy.place(ticket([3] * 16 + [2, 2, 2, 2], "x"), states) == 2
+    # A prefix no mirror knows: the first request goes by load, the rest follow it although
+    # its mirror learns of it only at dispatch, even as load piles up there.
+    fresh = [ticket([9] * 16 + [i, i, i, i], f"f{i}") for i in range(4)]
+    first = policy.place(fresh[0], states)
+    states[first].pending_tokens += 20  # as the router counts it: its uncached tokens
+    for t in fresh[1:]:
+        assert policy.place(t, states) == first
+        states[first].pending_tokens += 4
+    # Work already placed there outweighs a hit: with enough of it, another replica wins.
+    states[2].pending_tokens = 10_000
+    assert policy.place(ticket([3] * 16 + [5, 5, 5, 5]), states) != 2
+
+
+def test_prefix_key_depth_and_short_prompts():
+    long = ticket(list(range(1, 41)))
+    assert prefix_key(long, 16, 4) == long.block_hashes[3]
+    assert prefix_key(long, 1000, 4) == long.block_hashes[-1]
+    assert prefix_key(ticket([1, 2]), 16, 4) == prefix_key(ticket([1, 2]), 16, 4)
+    assert prefix_key(ticket([1, 2], tenant="a"), 16, 4) != prefix_key(ticket([1, 2], tenant="b"), 16, 4)
+
+
+# -- a gateway over several engines ------------------------------------------------------------
+
+
+def sims(n: int, num_blocks: int = 128) -> tuple[SimClock, list[SimEngine]]:
+    clock = SimClock()
+    return clock, [SimEngine(block_size=16, num_blocks=num_blocks, max_model_len=256,
+                             tokenizer=ByteTokenizer(), clock=clock) for _ in range(n)]
+
+
+def group_prompts(groups: int, per_group: int) -> list[str]:
+    prefixes = [f"system prompt {g}: " + f"rule {g} applies. " * 12 for g in range(groups)]
+    return [prefixes[g] + f"question {i} of group {g}?" for i in range(per_group) for g in range(groups)]
+
+
+@pytest.mark.parametrize("placement", ["consistent_hash", "cost", "least_loaded", "round_robin"])
+async def test_every_placement_serves_every_request_and_predicts_each_replicas_hits(placement):
+    clock, engines = sims(3)
+    config = GatewayConfig(placement=placement, route_prefix_tokens=64)
+    async with Gateway(engines, config, clock=clock) as gw:
+        outs = await asyncio.gather(*(drain(gw.generate(p, SP)) for p in group_prompts(6, 5)))
+        stats = gw.statistics()
+    assert all(o[-1].finished for o in outs)
+    assert stats.completed == stats.requests == 30 and stats.queued == stats.running == 0
+    assert stats.predicted_hit_tokens == stats.engine_cached_tokens  # per replica's own mirror
+    assert [r.name for r in stats.replicas] == ["replica-0", "replica-1", "replica-2"]
+    assert sum(r.placed for r in stats.replicas) == 30 and stats.kv is None
+
+
+async def test_prefix_affinity_beats_round_robin_when_one_replica_cannot_hold_every_prefix():
+    hits = {}
+    for placement in ("consistent_hash", "round_robin"):
+        clock, engines = sims(4, num_blocks=64)  # ~4 of the 12 prefixes (13 blocks each) fit one
+        config = GatewayConfig(placement=placement, route_prefix_tokens=64)
+        async with Gateway(engines, config, clock=clock) as gw:
+            order = random.Random(0)
+            for wave in range(4):  # later waves find (or miss) what earlier ones left
+                prompts = group_prompts(12, 4)[wave * 12:(wave + 1) * 12]
+                order.shuffle(prompts)  # else round robin would deal each prefix the same replica
+                await asyncio.gather(*(drain(gw.generate(p, SP)) for p in prompts))
+            hits[placement] = gw.statistics().hit_rate
+    assert hits["consistent_hash"] > hits["round_robin"] + 0.2
+
+
+async def test_replicas_must_serve_one_model_with_one_block_size():
+    clock = SimClock()
+    a = SimEngine(block_size=16, clock=clock, tokenizer=ByteTokenizer())
+    with pytest.raises(ValueError, match="block"):
+        Gateway([a, SimEngine(block_size=32, clock=clock, tokenizer=ByteTokenizer())], clock=clock)
+    with pytest.raises(ValueError, match="model"):
+        Gateway([a, SimEngine(block_size=16, clock=clock, tokenizer=ByteTokenizer(), model_name="other")],
+                clock=clock)
+    with pytest.raises(ValueError, match="names"):
+        Gateway([a, SimEngine(block_size=16, clock=clock, tokenizer=ByteTokenizer())], clock=clock,
+                names=["x", "x"])
+    with pytest.raises(ValueError, match="at least one engine"):
+        Gateway([], clock=clock)
+
+
+class FirstAlive:
+    """Everything on the first live replica: one replica's queue, to watch failover."""
+
+    def place(self, ticket, replicas):
+        return next(r.index for r in replicas if r.alive)
+
+
+async def test_a_dead_replicas_waiting_requests_complete_on_another_and_its_streaming_one_errors():
+    dying = FakeEngine(die_after=1)
+    healthy = FakeEngine()
+    config = GatewayConfig(placement=FirstAlive(), max_in_flight=1)
+    async with Gateway([dying, healthy], config) as gw:
+        streams = [gw.generate(f"request number {i}", FakeSamplingParams(max_tokens=3)) for i in range(4)]
+        results = await asyncio.gather(*(drain(s) for s in streams), return_exceptions=True)
+        stats = gw.statistics()
+    assert isinstance(results[0], EngineDead)  # it had streamed an output: an explicit error
+    assert all(isinstance(r, list) and r[-1].finished for r in results[1:])
+    assert set(healthy.started) == {s.request_id for s in streams[1:]}
+    assert stats.replaced == 3 and stats.requests == 4 and stats.completed == 3
+    assert stats.outcomes.get("engine_error") == 1
+    assert [r.alive for r in stats.replicas] == [False, True]
+    # From now on placement skips the dead one.
+    async with Gateway([FakeEngine(die_after=0), FakeEngine()], GatewayConfig(placement=FirstAlive())) as gw2:
+        gw2._router.units[0].replica.mark_dead(EngineDead("gone"))
+        out = await drain(gw2.generate("after", SP))
+    assert out[-1].finished
+
+
+async def test_when_every_replica_is_dead_requests_are_refused():
+    engines = [FakeEngine(), FakeEngine()]
+    async with Gateway(engines) as gw:
+        for unit in gw._router.units:
+            unit.replica.mark_dead(EngineDead("gone"))
+        with pytest.raises(EngineDead):
+            await drain(gw.generate("hello", SP))
+
+
+async def test_try_generate_takes_a_replica_that_can_dispatch_now():
+    engines = [FakeEngine(step=asyncio.Event()), FakeEngine()]
+    config = GatewayConfig(placement=FirstAlive(), max_in_flight=1)
+    async with Gateway(engines, config) as gw:
+        first = gw.try_generate("one", SP)  # replica 0's only slot
+        assert gw.can_admit("two", SP)
+        second = gw.try_generate("two", SP)  # replica 0 is full: replica 1 takes it
+        assert [r.running for r in gw.statistics().replicas] == [1, 1]
+        engines[0].step.set()
+        await drain(first)
+        await drain(second)
+    assert engines[1].started == [second.request_id]
