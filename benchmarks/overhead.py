@@ -26,6 +26,10 @@ ids (the text's canonical tokens).
   rest: ``generate()``'s checks, the ticket, the client's loop).
 * **Throughput** (``max_req_per_s_pretokenized``): 256 clients in a closed loop sending token-id
   prompts of each size for a few seconds on one core; completions per second.
+* **Routing** (``routing_pretokenized``, issue 12): pre-tokenized prompts one at a time through a
+  gateway over 1, 2, 16 and 64 NullEngines, placed by ``cost`` and by ``consistent_hash``, the
+  same rounds; ``routing_us_p50`` is the excess over one engine (placement, the router, the
+  replica's own queue).
 * **A huge prompt** (``huge_prompt``): 100 ordinary 2k-token text requests sent at once, with and
   without a 2M-character prompt sent just before them; their p99 time to first output, median of
   9 interleaved repeats (with 3, one slow repeat of this VM moved the median by 10 ms), ingress in
@@ -153,15 +157,17 @@ def _engine(tokenizer: Any) -> Any:
     return NullEngine(tokenizer=tokenizer, block_size=16)
 
 
-async def _cost(tokenizer: Any, prompts: Sequence[Any], ingress: str, warmup: int) -> dict[str, Any]:
+async def _cost(tokenizer: Any, prompts: Sequence[Any], ingress: str, warmup: int, replicas: int = 1,
+                placement: str = "cost") -> dict[str, Any]:
     """Sequential requests; CPU per request over every process, minus what the tokenizer took
-    for that very request (timed around it, in the main process or reported by the worker)."""
+    for that very request (timed around it, in the main process or reported by the worker).
+    With ``replicas`` > 1, a gateway over that many engines, placing by ``placement``."""
     from prefixgate import Gateway, GatewayConfig
     from prefixgate.testing import FakeSamplingParams
 
-    engine = _engine(tokenizer)
+    engine = _engine(tokenizer) if replicas == 1 else [_engine(tokenizer) for _ in range(replicas)]
     params = FakeSamplingParams(max_tokens=1)
-    async with Gateway(engine, GatewayConfig(ingress=ingress)) as gw:
+    async with Gateway(engine, GatewayConfig(ingress=ingress, placement=placement)) as gw:
         pool = gw._pool
         pids = [w.process.pid for w in getattr(pool, "_workers", ())]
         inline_ns = [0]
@@ -340,7 +346,7 @@ def _rounds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | None = None,
                  core: int | None = 0, throughput_s: float = 3.0, huge_chars: int = 2_000_000,
                  huge_repeats: int = 9, seed: int = 0, before: str | None = None,
-                 rounds: int = 3) -> dict[str, Any]:
+                 rounds: int = 3, replicas: Sequence[int] = (2, 16, 64)) -> dict[str, Any]:
     """Runs M1 and returns the JSON-ready result (see the module docstring)."""
     from transformers import AutoTokenizer
 
@@ -376,6 +382,21 @@ def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | 
                     runs["before"].append(asyncio.run(_cost_before(before, tokenizer, texts, warm)))
             text_default, text_inline, pre = (_rounds(runs[k]) for k in ("pool", "inline", "pre"))
             old = _rounds(runs["before"]) if runs["before"] else None
+            # Routing (issue 12): pre-tokenized prompts through a gateway over N engines, placed
+            # by each policy, in the same interleaved rounds' manner; the excess over one engine
+            # is what placement and the router cost per request.
+            routing: dict[str, Any] = {}
+            if replicas:
+                for placement in ("cost", "consistent_hash"):
+                    per: dict[str, list[dict[str, Any]]] = {str(n): [] for n in (1, *replicas)}
+                    for _ in range(rounds):
+                        for n in (1, *replicas):
+                            per[str(n)].append(asyncio.run(
+                                _cost(tokenizer, ids, "inline", warm, n, placement)))
+                    meds = {n: _rounds(r) for n, r in per.items()}
+                    routing[placement] = {n: {"gateway_us_p50": m["us_p50"], "gateway_us_p99": m["us_p99"],
+                                              "routing_us_p50": m["us_p50"] - meds["1"]["us_p50"]}
+                                          for n, m in meds.items()}
             stages = asyncio.run(_stages(tokenizer, texts[warm:]))
             stages_pre = asyncio.run(_stages(tokenizer, ids[warm:]))
             rate = asyncio.run(_throughput(tokenizer, ids, throughput_s))
@@ -393,6 +414,8 @@ def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | 
             }
             if old is not None:
                 entry["before"] = old
+            if routing:
+                entry["routing_pretokenized"] = routing
             out["sizes"][str(size)] = entry
             print(_row(size, entry), flush=True)
         if "2048" in out["sizes"]:
@@ -438,6 +461,13 @@ def format_table(result: Mapping[str, Any]) -> str:
         lines.append(f"{size:>7}  " + "  ".join(f"{e['stages'][s] or 0:7.1f}" for s in STAGES)
                      + "   | pre-tokenized: "
                      + " ".join(f"{e['pretokenized']['stages'][s] or 0:.1f}" for s in STAGES))
+    routed = {size: e["routing_pretokenized"] for size, e in result["sizes"].items()
+              if "routing_pretokenized" in e}
+    for size, by_policy in routed.items():
+        for placement, per in by_policy.items():
+            lines.append(f"{size:>7}  routing ({placement}, pre-tokenized; µs p50, over one engine): "
+                         + ", ".join(f"{n} replicas {r['gateway_us_p50']:.1f} ({r['routing_us_p50']:+.1f})"
+                                     for n, r in per.items()))
     huge = result.get("huge_prompt")
     if huge:
         lines.append(f"huge prompt ({huge['huge_chars']:,} chars) among {huge['requests']} requests: p99 "
@@ -486,6 +516,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--throughput-seconds", type=float, default=3.0)
     p.add_argument("--huge-chars", type=int, default=2_000_000)
     p.add_argument("--huge-repeats", type=int, default=9, help="0 skips the huge-prompt check")
+    p.add_argument("--replicas", default="2,16,64",
+                   help="replica counts for the routing cost (issue 12); '' skips it")
     p.add_argument("--before", metavar="DIR/PACKAGE",
                    help="also measure an earlier commit's gateway: its src/prefixgate as a package dir")
     args = p.parse_args(argv)
@@ -499,7 +531,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     requests = {s: args.requests for s in sizes} if args.requests else None
     result = run_overhead(sizes=sizes, requests=requests, core=None if args.core < 0 else args.core,
                           throughput_s=args.throughput_seconds, huge_chars=args.huge_chars,
-                          huge_repeats=args.huge_repeats, before=before, rounds=args.rounds)
+                          huge_repeats=args.huge_repeats, before=before, rounds=args.rounds,
+                          replicas=[int(n) for n in args.replicas.split(",") if n])
     print(format_table(result), flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -106,14 +106,16 @@ def test_cost_follows_the_mirror_and_keeps_a_new_prefix_together_before_its_firs
     cached = ticket([3] * 16 + [1, 1, 1, 1])
     states[2].mirror.insert(cached.block_hashes[:4])
     assert policy.place(ticket([3] * 16 + [2, 2, 2, 2], "x"), states) == 2
-    # A prefix no mirror knows: the first request goes by load, the rest follow it although
-    # its mirror learns of it only at dispatch, even as load piles up there.
+    # A prefix no mirror knows: the first request goes by the ring, the rest follow it although
+    # its mirror learns of it only at dispatch (what was placed there counts), as load piles up.
     fresh = [ticket([9] * 16 + [i, i, i, i], f"f{i}") for i in range(4)]
     first = policy.place(fresh[0], states)
     states[first].pending_tokens += 20  # as the router counts it: its uncached tokens
+    states[first].placed_chains.insert(fresh[0].block_hashes)
     for t in fresh[1:]:
         assert policy.place(t, states) == first
         states[first].pending_tokens += 4
+        states[first].placed_chains.insert(t.block_hashes)
     # Work already placed there outweighs a hit: with enough of it, another replica wins.
     states[2].pending_tokens = 10_000
     assert policy.place(ticket([3] * 16 + [5, 5, 5, 5]), states) != 2
@@ -234,3 +236,32 @@ async def test_try_generate_takes_a_replica_that_can_dispatch_now():
         await drain(first)
         await drain(second)
     assert engines[1].started == [second.request_id]
+
+
+async def test_two_independent_gateways_start_each_prefix_on_the_same_replica():
+    # No state shared: each gateway sees only its own half of the traffic and its own loads. A new
+    # prefix goes to its replica on the ring in both (later requests follow their hits, and may
+    # leave for a less loaded replica: each gateway by its own loads).
+    clock, engines = sims(6, num_blocks=256)
+    prompts = group_prompts(24, 6)
+    random.Random(1).shuffle(prompts)
+    first: list[dict[str, int]] = [{}, {}]
+
+    class Recording:
+        def __init__(self, side: int) -> None:
+            self.side, self.inner = side, make_placement("cost", route_prefix_tokens=64)
+
+        def place(self, ticket, replicas):
+            i = self.inner.place(ticket, replicas)
+            first[self.side].setdefault(ticket.request_id.split("/")[1], i)
+            return i
+
+    async with Gateway(engines, GatewayConfig(placement=Recording(0)), clock=clock) as a, \
+            Gateway(engines, GatewayConfig(placement=Recording(1)), clock=clock) as b:
+        await asyncio.gather(*(drain((a, b)[k % 2].generate(p, SP, request_id=f"{k}/{p.split(':')[0]}"))
+                               for k, p in enumerate(prompts)))
+        hits = a.statistics().hit_rate, b.statistics().hit_rate
+    both = first[0].keys() & first[1].keys()
+    assert len(both) >= 20 and all(first[0][g] == first[1][g] for g in both)
+    assert len(set(first[0].values())) == 6  # the ring spreads the prefixes over every replica
+    assert min(hits) > 0.5

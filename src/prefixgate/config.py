@@ -149,10 +149,11 @@ class GatewayConfig:
             before any engine call. ``None`` (the default): none.
 
     Placement (a gateway over several engines; see :mod:`prefixgate.placement`):
-        placement: Which replica serves a request: ``"consistent_hash"`` (the default: by its
-            prefix, with bounded loads), ``"cost"``, ``"least_loaded"``, ``"round_robin"``, or
-            your own :class:`~prefixgate.PlacementPolicy` instance. Queueing, ordering and
-            admission then run per replica.
+        placement: Which replica serves a request: ``"cost"`` (the default: where its prefix is
+            or will be cached, unless much more work waits there; a new prefix by the ring),
+            ``"consistent_hash"`` (by its prefix, with bounded loads), ``"least_loaded"``,
+            ``"round_robin"``, or your own :class:`~prefixgate.PlacementPolicy` instance.
+            Queueing, ordering and admission then run per replica.
         placement_epsilon: Bounded loads: a replica takes a request while its load (requests
             placed there and not ended) is under ``(1 + epsilon)`` times the mean, plus
             ``placement_margin``.
@@ -191,9 +192,9 @@ class GatewayConfig:
     stall_timeout: float | None = 60.0
     max_queue_wait: float | None = None
     admission_policy: Any = None
-    placement: Any = "consistent_hash"
-    placement_epsilon: float = 0.25
-    placement_margin: int = 2
+    placement: Any = "cost"
+    placement_epsilon: float = 0.1
+    placement_margin: int = 1
     route_prefix_tokens: int = 256
 
     def __post_init__(self) -> None:

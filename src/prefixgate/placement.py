@@ -12,15 +12,18 @@ Built-in policies, by name (``GatewayConfig.placement``):
 
 * ``"round_robin"``: the next live replica in turn; the baseline.
 * ``"least_loaded"``: the live replica with the fewest requests in flight (placed and not ended).
-* ``"consistent_hash"`` (the default): a ring of the replicas' names; the request's prefix key
+* ``"consistent_hash"``: a ring of the replicas' names; the request's prefix key
   (its block key at ``route_prefix_tokens``) picks the first live replica clockwise whose load
   is under ``ceil((1 + epsilon) * (total load + 1) / live replicas) + margin``. Same prefix,
   same replica while that one is not overloaded; a hot prefix spills to the next replicas on the
   ring, always the same few. The ring depends only on names and keys, so independent gateways
   in front of the same replicas agree without talking.
-* ``"cost"``: the replica with the fewest predicted uncached prompt tokens (the prompt less its
-  mirror's match, or less the routed prefix where this policy recently placed that prefix) plus
-  ``weight`` times the uncached tokens already placed there and not ended; ties go by the ring.
+* ``"cost"`` (the default): the replica with the fewest predicted uncached prompt tokens (the
+  prompt less what its cache holds or the requests placed on it lately will bring) plus
+  ``weight`` times the uncached tokens already placed there and not ended; a prefix no replica
+  holds (a cold one) goes to its replica on the ring, so independent gateways start a new
+  prefix on the same replica and then each follows it there by its hits. On the simulated W5
+  it kept the hits of ``consistent_hash`` with more even loads (``benchmarks.routing``).
 
 A policy is any object with ``place(ticket, replicas) -> index`` (:class:`PlacementPolicy`).
 """
@@ -28,7 +31,6 @@ A policy is any object with ``place(ticket, replicas) -> index`` (:class:`Placem
 from __future__ import annotations
 
 import bisect
-import collections
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -58,9 +60,13 @@ class ReplicaState:
         mirror: What its prefix cache holds, as far as the gateway can tell.
         block_size: Its KV block size in tokens.
         placed: Requests placed on it so far.
+        placed_chains: The block chains of the requests placed on it lately, most recent kept
+            (as many blocks as its cache holds): what its cache will hold once they run, which
+            its mirror learns only as they are dispatched.
     """
 
-    __slots__ = ("alive", "block_size", "index", "load", "mirror", "name", "pending_tokens", "placed")
+    __slots__ = ("alive", "block_size", "index", "load", "mirror", "name", "pending_tokens", "placed",
+                 "placed_chains")
 
     def __init__(self, index: int, name: str, mirror: PrefixMirror, block_size: int) -> None:
         self.index = index
@@ -71,10 +77,17 @@ class ReplicaState:
         self.mirror = mirror
         self.block_size = block_size
         self.placed = 0
+        self.placed_chains = PrefixMirror(mirror.capacity)
 
     def hit_tokens(self, ticket: Ticket) -> int:
         """Prompt tokens of ``ticket`` its cache is predicted to hold now."""
         return self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks) * self.block_size
+
+    def expected_hit_tokens(self, ticket: Ticket) -> int:
+        """Prompt tokens of ``ticket`` its cache is predicted to hold by the time ``ticket``
+        would run there: what it holds now or what requests placed on it lately bring."""
+        chain, limit = ticket.block_hashes, ticket.cacheable_blocks
+        return max(self.mirror.match(chain, limit), self.placed_chains.match(chain, limit)) * self.block_size
 
     def __repr__(self) -> str:
         return (f"ReplicaState({self.name!r}, alive={self.alive}, load={self.load}, "
@@ -147,7 +160,7 @@ class ConsistentHash:
             ``vnodes`` < 1.
     """
 
-    def __init__(self, *, epsilon: float = 0.25, margin: int = 2, route_prefix_tokens: int = 256,
+    def __init__(self, *, epsilon: float = 0.1, margin: int = 1, route_prefix_tokens: int = 256,
                  vnodes: int = 64) -> None:
         if not epsilon >= 0 or margin < 0 or route_prefix_tokens < 1 or vnodes < 1:
             raise ValueError(f"ConsistentHash needs epsilon >= 0, margin >= 0, route_prefix_tokens >= 1 "
@@ -207,55 +220,53 @@ class ConsistentHash:
 
 
 class CostPlacement:
-    """The replica with the least predicted uncached prefill plus weighted queued work.
+    """The replica with the least predicted uncached prefill plus weighted work placed ahead; a
+    prefix no replica holds goes to its place on the ring.
 
-    A prefix this policy placed lately counts as cached on that replica up to the routed depth
-    (``route_prefix_tokens``), since its mirror learns of it only at dispatch: a burst of one new
-    prefix stays together instead of scattering before its first request runs.
+    A replica's predicted hit counts what its cache holds and what the requests placed on it
+    lately will bring (:meth:`ReplicaState.expected_hit_tokens`): its mirror learns of a prefix
+    only at dispatch, and a burst of one new prefix must stay together before its first request
+    runs. A prefix that no replica holds or expects (a cold one) goes to the first live replica
+    on the ring from its key, whatever the loads, so independent gateways put a new prefix in
+    the same place (each sees only its own load) and from there each follows it by its hits;
+    the loads even out through the requests that follow (a replica with ``1 / weight`` times a
+    request's uncached tokens more work placed on it than another loses the next one). On the
+    simulated W5, bounding the cold placement's load too split two gateways' placements more
+    (agreement 0.51 against 0.61) for no better balance.
 
     Args:
         weight: One uncached prompt token already placed on a replica (and not ended) counts
             ``weight`` times as much as one this request would compute there: below 1, a hit
             saves more than the same number of tokens queued ahead costs (the hit saves work
-            for good; the queue only delays).
-        route_prefix_tokens: As :class:`ConsistentHash` (ring order breaks ties).
-        remember: Prefixes placed lately, remembered (least recently placed forgotten first).
+            for good; the queue only delays). At 0.1 a request leaves its prefix's replica when
+            ten times its uncached tokens wait there beyond another's.
+        route_prefix_tokens: The ring's key depth, for cold prefixes (see :class:`ConsistentHash`).
 
     Raises:
-        ValueError: If ``weight`` < 0 or ``remember`` < 0.
+        ValueError: If ``weight`` < 0 or ``route_prefix_tokens`` < 1.
     """
 
-    def __init__(self, *, weight: float = 0.5, route_prefix_tokens: int = 256, remember: int = 65536) -> None:
-        if not weight >= 0 or remember < 0:
-            raise ValueError(f"CostPlacement needs weight >= 0 and remember >= 0 (got {weight}, {remember})")
+    def __init__(self, *, weight: float = 0.1, route_prefix_tokens: int = 256) -> None:
+        if not weight >= 0:
+            raise ValueError(f"CostPlacement needs weight >= 0, got {weight}")
         self.weight = weight
-        self.remember = remember
-        self._ring = ConsistentHash(route_prefix_tokens=route_prefix_tokens)
-        self._recent: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+        self.ring = ConsistentHash(route_prefix_tokens=route_prefix_tokens)
 
     def place(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
-        ring = self._ring
-        order = ring.order(ticket, replicas)
-        key = prefix_key(ticket, ring.route_prefix_tokens, replicas[0].block_size)
-        routed = min(ticket.cacheable_blocks, max(1, ring.route_prefix_tokens // replicas[0].block_size))
         prompt = ticket.num_prompt_tokens
-        best, best_score = -1, math.inf
-        for i in order:
+        best, best_score, first, warm = -1, math.inf, -1, False
+        for i in self.ring.order(ticket, replicas):
             r = replicas[i]
             if not r.alive:
                 continue
-            hit = r.hit_tokens(ticket)
-            if (key, i) in self._recent:
-                hit = max(hit, routed * r.block_size)
+            if first < 0:
+                first = i
+            hit = r.expected_hit_tokens(ticket)
+            warm = warm or hit > 0
             score = (prompt - hit) + self.weight * r.pending_tokens
             if score < best_score:
                 best, best_score = i, score
-        if self.remember:
-            self._recent[(key, best)] = None
-            self._recent.move_to_end((key, best))
-            if len(self._recent) > self.remember:
-                self._recent.popitem(last=False)
-        return best
+        return best if warm else first
 
 
 PLACEMENTS: dict[str, Callable[..., PlacementPolicy]] = {
@@ -264,7 +275,7 @@ PLACEMENTS: dict[str, Callable[..., PlacementPolicy]] = {
 }
 
 
-def make_placement(spec: str | PlacementPolicy, *, epsilon: float = 0.25, margin: int = 2,
+def make_placement(spec: str | PlacementPolicy, *, epsilon: float = 0.1, margin: int = 1,
                    route_prefix_tokens: int = 256) -> PlacementPolicy:
     """A placement policy by name (``"round_robin"``, ``"least_loaded"``, ``"consistent_hash"``,
     ``"cost"``) with these settings, or ``spec`` itself if it is a policy.

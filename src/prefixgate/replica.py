@@ -2,8 +2,9 @@
 
 What belongs to one engine lives here: the engine itself, the mirror of its prefix cache, its KV
 block ledger and admission rule, how many requests it runs at once, how its outputs are read,
-and its health (dead or alive, and the watchdog that notices when it stalls). The gateway holds
-one replica today; routing will hold several, each built the same way, sharing nothing.
+and its health (dead or alive, and the watchdog that notices when it stalls). A gateway over
+several engines holds one replica per engine (router.py), each built the same way, sharing
+nothing.
 """
 
 from __future__ import annotations

@@ -125,6 +125,7 @@ class Router:
         state = unit.state
         pending = ticket.num_prompt_tokens - state.hit_tokens(ticket)
         self._placed[ticket] = (unit, pending)
+        state.placed_chains.insert(ticket.block_hashes)
         state.load += 1
         state.pending_tokens += pending
         state.placed += 1
