@@ -44,6 +44,7 @@ import asyncio
 import collections
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -72,48 +73,135 @@ class _Recorder:
         return i
 
 
-def _trace(replicas: int, popularity: str, prefix_tokens: int, seed: int, tokenizer: Any) -> Any:
+def _trace(groups: int, popularity: str, prefix_tokens: int, seed: int, tokenizer: Any) -> Any:
     from .workloads import make_trace
 
     return make_trace("W5", "sim", seed=seed, tokenizer=tokenizer, overrides={
-        "groups": 16 * replicas, "per_group": 8, "prefix_tokens": prefix_tokens, "suffix_tokens": 64,
-        "max_tokens": 32, "popularity": popularity, "replicas": replicas})
+        "groups": groups, "per_group": 8, "prefix_tokens": prefix_tokens, "suffix_tokens": 64,
+        "max_tokens": 32, "popularity": popularity})
 
 
-async def run_arm(arm: str, trace: Any, replicas: int, kv_tokens: int, tokenizer: Any,
-                  seed: int = 0) -> dict[str, Any]:
-    """One arm of one case on fresh engines; its metrics."""
-    from prefixgate import Gateway, GatewayConfig
+class Replicas:
+    """The engines an arm runs on: fresh simulators for each arm, or real vLLM engines started
+    once (their prefix caches reset before each arm)."""
+
+    def __init__(self, kind: str, replicas: int, tokenizer: Any, *, kv_tokens: int = 0,
+                 model_dir: str | None = None, kv_blocks: int | None = None) -> None:
+        self.kind = kind
+        self.replicas = replicas
+        self.tokenizer = tokenizer
+        self.kv_tokens = kv_tokens
+        self.model_dir = model_dir
+        self.kv_blocks = kv_blocks
+        self._vllm: list[Any] = []
+
+    def params(self, max_tokens: int) -> Any:
+        """Sampling parameters: every request generates ``max_tokens`` tokens."""
+        if self.kind == "sim":
+            from prefixgate.testing import FakeSamplingParams
+
+            return FakeSamplingParams(max_tokens=max_tokens)
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def get(self) -> tuple[list[Any], Any]:
+        """The engines and their clock, ready for an arm."""
+        if self.kind == "sim":
+            from prefixgate.sim import SimClock, SimEngine, StepTimeModel
+
+            from .engines import SIM_PROFILES
+
+            p = SIM_PROFILES["gpu-1b"]
+            clock = SimClock()
+            blocks = math.ceil(self.kv_tokens / p.block_size)
+            return [SimEngine(block_size=p.block_size, num_blocks=blocks,
+                              max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
+                              max_model_len=min(p.max_model_len, (blocks - 1) * p.block_size),
+                              step_time=StepTimeModel(*p.step_time, overlap=p.overlap),
+                              tokenizer=self.tokenizer, clock=clock) for _ in range(self.replicas)], clock
+        from prefixgate import MonotonicClock, VllmEngine
+
+        if not self._vllm:
+            from vllm import AsyncEngineArgs
+
+            for _ in range(self.replicas):
+                if self.kind == "vllm-cpu":  # the tiny Llama, each engine its own worker
+                    from prefixgate.vllm_amx import AMX_WORKER_EXTENSION
+
+                    args = AsyncEngineArgs(model=str(self.model_dir), load_format="dummy",
+                                           enable_prefix_caching=True, seed=0, max_model_len=4096,
+                                           enforce_eager=True, worker_extension_cls=AMX_WORKER_EXTENSION,
+                                           num_gpu_blocks_override=self.kv_blocks, disable_log_stats=False)
+                else:  # 1B-shaped replicas sharing the H200, as ../shared/gpu's routing baseline
+                    args = AsyncEngineArgs(model=str(self.model_dir), load_format="dummy",
+                                           enable_prefix_caching=True, seed=0, max_model_len=8192,
+                                           gpu_memory_utilization=0.8 / self.replicas, dtype="bfloat16",
+                                           num_gpu_blocks_override=self.kv_blocks, disable_log_stats=False)
+                self._vllm.append(VllmEngine.from_engine_args(args))
+            await asyncio.gather(*(_drain(e.generate(_request(e, f"warm-{k}", "warm up " * 64,
+                                                              self.params(4))))
+                                   for k, e in enumerate(self._vllm)))
+        for e in self._vllm:
+            await e.vllm_engine.reset_prefix_cache()
+        return self._vllm, MonotonicClock()
+
+    def close(self) -> None:
+        for e in self._vllm:
+            e.shutdown()
+
+
+def _request(engine: Any, rid: str, prompt: str, params: Any) -> Any:
     from prefixgate.engine import EngineRequest
+
+    return EngineRequest(rid, engine.tokenizer.encode(prompt), params)
+
+
+async def _drain(stream: Any) -> Any:
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+async def _loop_lag(stop: asyncio.Event, out: list[float]) -> None:
+    """The event loop's worst lateness waking from 10 ms sleeps (real time), while ``stop`` is unset."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(0.01)
+        out.append(time.perf_counter() - t - 0.01)
+
+
+async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[str, Any]:
+    """One arm of one case on ``pool``'s engines; its metrics (requests that fail are counted
+    and their errors kept, not raised)."""
+    from prefixgate import Gateway, GatewayConfig
     from prefixgate.placement import make_placement
-    from prefixgate.sim import SimClock, SimEngine, StepTimeModel
 
-    from .engines import SIM_PROFILES
-
-    p = SIM_PROFILES["gpu-1b"]
-    clock = SimClock()
-    engines = [SimEngine(block_size=p.block_size, num_blocks=math.ceil(kv_tokens / p.block_size),
-                         max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
-                         max_model_len=p.max_model_len,
-                         step_time=StepTimeModel(*p.step_time, overlap=p.overlap), tokenizer=tokenizer,
-                         clock=clock) for _ in range(replicas)]
+    engines, clock = await pool.get()
+    errors: collections.Counter[str] = collections.Counter()
+    lag: list[float] = []
+    stop = asyncio.Event()
+    lagger = asyncio.ensure_future(_loop_lag(stop, lag)) if pool.kind != "sim" else None
+    gw_stats: Any = None
+    replicas = len(engines)
     requests = list(enumerate(trace.requests))
     random.Random(seed).shuffle(requests)
     start = clock.now()
     spans: dict[int, list[float]] = {i: [] for i in range(replicas)}
     results: list[Any] = []
     wall0 = time.perf_counter()
+    tag = f"{arm.replace(' ', '_')}-s{seed}"
 
     if arm == "RR":
-        params = engines[0].default_sampling_params
-
         async def bare(n: int, i: int, req: Any) -> None:
             engine = engines[n % replicas]
-            ids = tokenizer.encode(req.prompt)
-            sp = type(params())(max_tokens=req.max_tokens)
-            last = None
-            async for out in engine.generate(EngineRequest(f"rr-{i}", ids, sp)):
-                last = out
+            try:
+                last = await _drain(engine.generate(_request(engine, f"{tag}-{i}", req.prompt,
+                                                             pool.params(req.max_tokens))))
+            except Exception as e:
+                errors[f"{type(e).__name__}: {e}"[:120]] += 1
+                return
             spans[n % replicas].append(clock.now() - start)
             results.append(last)
 
@@ -121,18 +209,25 @@ async def run_arm(arm: str, trace: Any, replicas: int, kv_tokens: int, tokenizer
     else:
         recorder = _Recorder(make_placement(PLACEMENT[arm]))
         async with Gateway(engines, GatewayConfig(placement=recorder), clock=clock) as gw:
-            sp_type = type(engines[0].default_sampling_params())
-
             async def through(i: int, req: Any) -> None:
-                rid = f"{arm}-{i}"
-                last = None
-                async for out in gw.generate(req.prompt, sp_type(max_tokens=req.max_tokens), request_id=rid):
-                    last = out
+                rid = f"{tag}-{i}"
+                try:
+                    last = await _drain(gw.generate(req.prompt, pool.params(req.max_tokens), request_id=rid))
+                except Exception as e:
+                    errors[f"{type(e).__name__}: {e}"[:120]] += 1
+                    return
                 spans[recorder.placed[rid]].append(clock.now() - start)
                 results.append(last)
 
             await asyncio.gather(*(through(i, req) for i, req in requests))
+            gw_stats = gw.statistics()
     makespan = clock.now() - start
+    stop.set()
+    if lagger is not None:
+        await lagger
+    if errors:
+        print(f"{arm}: {sum(errors.values())} requests failed: {dict(errors)}; gateway {gw_stats}",
+              flush=True)
     prompt = sum(len(r.prompt_token_ids) for r in results)
     cached = sum(int(r.num_cached_tokens or 0) for r in results)
     load = [sum(s) / makespan for s in spans.values()]  # all arrive at 0: time in flight = finish
@@ -141,45 +236,37 @@ async def run_arm(arm: str, trace: Any, replicas: int, kv_tokens: int, tokenizer
             "makespan_s": makespan,
             "hit_rate": cached / prompt, "prompt_tokens": prompt, "computed_prefill_tokens": prompt - cached,
             "imbalance": max(load) / mean if mean else None, "placed": [len(s) for s in spans.values()],
+            "errors": dict(errors), "loop_lag_max_s": max(lag, default=None),
             "wall_s": time.perf_counter() - wall0}
 
 
-async def run_pair(trace: Any, replicas: int, kv_tokens: int, tokenizer: Any, placement: str = "cost",
-                   seed: int = 0) -> dict[str, Any]:
+async def run_pair(trace: Any, pool: Replicas, placement: str = "cost", seed: int = 0) -> dict[str, Any]:
     """Two independent gateways over the same engines, each sent every other request of the
     (shuffled) trace at once: where each put each prefix group, and the hit rate of the pair."""
     from prefixgate import Gateway, GatewayConfig
     from prefixgate.placement import make_placement
-    from prefixgate.sim import SimClock, SimEngine, StepTimeModel
 
-    from .engines import SIM_PROFILES
-
-    p = SIM_PROFILES["gpu-1b"]
-    clock = SimClock()
-    engines = [SimEngine(block_size=p.block_size, num_blocks=math.ceil(kv_tokens / p.block_size),
-                         max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
-                         max_model_len=p.max_model_len,
-                         step_time=StepTimeModel(*p.step_time, overlap=p.overlap), tokenizer=tokenizer,
-                         clock=clock) for _ in range(replicas)]
+    engines, clock = await pool.get()
     requests = list(enumerate(trace.requests))
     random.Random(seed).shuffle(requests)
     recorders = [_Recorder(make_placement(placement)), _Recorder(make_placement(placement))]
     where: dict[int, list[collections.Counter[int]]] = collections.defaultdict(
         lambda: [collections.Counter(), collections.Counter()])
     outs: list[Any] = []
+    errors: collections.Counter[str] = collections.Counter()
     start = clock.now()
     async with Gateway(engines, GatewayConfig(placement=recorders[0]), clock=clock) as a, \
             Gateway(engines, GatewayConfig(placement=recorders[1]), clock=clock) as b:
-        sp_type = type(engines[0].default_sampling_params())
-
         async def through(k: int, i: int, req: Any) -> None:
             side = k % 2
-            gw, rid = (a, b)[side], f"g{side}-{i}"
-            last = None
-            async for out in gw.generate(req.prompt, sp_type(max_tokens=req.max_tokens), request_id=rid):
-                last = out
+            gw, rid = (a, b)[side], f"pair-{placement}-s{seed}-g{side}-{i}"
+            try:
+                outs.append(await _drain(gw.generate(req.prompt, pool.params(req.max_tokens),
+                                                     request_id=rid)))
+            except Exception as e:
+                errors[f"{type(e).__name__}: {e}"[:120]] += 1
+                return
             where[req.group][side][recorders[side].placed[rid]] += 1
-            outs.append(last)
 
         await asyncio.gather(*(through(k, i, req) for k, (i, req) in enumerate(requests)))
     prompt = sum(len(r.prompt_token_ids) for r in outs)
@@ -190,48 +277,59 @@ async def run_pair(trace: Any, replicas: int, kv_tokens: int, tokenizer: Any, pl
     overlap = [sum(min(ca[r] / sum(ca.values()), cb[r] / sum(cb.values())) for r in ca) for ca, cb in both]
     modal = [max((ca + cb).values()) / sum((ca + cb).values()) for ca, cb in both]
     sizes = [sum((ca + cb).values()) for ca, cb in both]
+    if errors:
+        print(f"pair ({placement}): {sum(errors.values())} requests failed: {dict(errors)}", flush=True)
     return {"hit_rate": cached / prompt, "req_per_s": len(outs) / (clock.now() - start),
-            "groups_seen_by_both": len(both),
+            "errors": sum(errors.values()), "groups_seen_by_both": len(both),
             "agreement": sum(o * n for o, n in zip(overlap, sizes, strict=True)) / sum(sizes),
             "groups_agreeing_95": sum(o >= 0.95 for o in overlap) / len(both),
             "modal_share": sum(m * n for m, n in zip(modal, sizes, strict=True)) / sum(sizes)}
 
 
-def run_case(replicas: int, popularity: str, *, repeats: int, prefix_tokens: int, kv_share: float,
-             tokenizer: Any, pair: bool = False) -> dict[str, Any]:
+async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_tokens: int, kv_share: float,
+             tokenizer: Any, pair: bool = False, groups: int | None = None,
+             pool: Replicas | None = None) -> dict[str, Any]:
     """Every arm ``repeats`` times (seeds 0..) on one replica count and popularity; with
-    ``pair``, also two independent gateways (:func:`run_pair`) for ``L`` and ``L ring``."""
+    ``pair``, also two independent gateways (:func:`run_pair`) for ``L`` and ``L ring``. On
+    ``pool``'s engines (real ones), else on simulators whose KV is ``kv_share`` times a replica's
+    share of the working set."""
     from .ceiling import ceiling
 
+    groups = groups or 16 * replicas
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
-    ceilings = []
+    ceilings: list[float] = []
+    pairs_raw: dict[str, list[dict[str, Any]]] = {"L": [], "L ring": []}
     for seed in range(repeats):
-        trace = _trace(replicas, popularity, prefix_tokens, seed, tokenizer)
+        trace = _trace(groups, popularity, prefix_tokens, seed, tokenizer)
         working_set = len({r.group for r in trace.requests}) * prefix_tokens
-        kv = int(kv_share * working_set / replicas) + 64 * 128  # plus room for 64 running requests
+        engines = pool or Replicas("sim", replicas, tokenizer,
+                                   kv_tokens=int(kv_share * working_set / replicas) + 64 * 128)
         ceilings.append(ceiling([tokenizer.encode(r.prompt) for r in trace.requests], 16).hit_rate)
         for arm in ARMS:
-            runs[arm].append(asyncio.run(run_arm(arm, trace, replicas, kv, tokenizer, seed)))
-    med = {a: {k: statistics.median(r[k] for r in rs) for k in
+            r = await run_arm(arm, trace, engines, seed)
+            runs[arm].append(r)
+            if pool is not None:
+                print(f"  {replicas} {popularity} seed {seed} {arm}: {r['req_per_s']:.1f} req/s, hit "
+                      f"{r['hit_rate']:.3f}, prefill {r['computed_prefill_tokens']}, imbalance "
+                      f"{r['imbalance']:.3f}, placed {r['placed']}, errors {sum(r['errors'].values())}, "
+                      f"loop lag max {r['loop_lag_max_s']}", flush=True)
+        if pair:
+            for arm in pairs_raw:
+                pairs_raw[arm].append(await run_pair(trace, engines, PLACEMENT[arm], seed))
+    med = {a: {k: statistics.median(r[k] for r in rs if r[k] is not None) for k in
                ("req_per_s", "hit_rate", "computed_prefill_tokens", "imbalance")} for a, rs in runs.items()}
     pairs: dict[str, Any] = {}
-    if pair:  # two independent gateways, each given half the trace
-        for arm in ("L", "L ring"):
-            got = []
-            for seed in range(repeats):
-                trace = _trace(replicas, popularity, prefix_tokens, seed, tokenizer)
-                working_set = len({r.group for r in trace.requests}) * prefix_tokens
-                kv = int(kv_share * working_set / replicas) + 64 * 128
-                got.append(asyncio.run(run_pair(trace, replicas, kv, tokenizer, PLACEMENT[arm], seed)))
+    for arm, got in pairs_raw.items():
+        if got:
             pairs[arm] = {k: statistics.median(g[k] for g in got) for k in got[0]}
             pairs[arm]["hit_rate_vs_one"] = pairs[arm]["hit_rate"] / med[arm]["hit_rate"]
     h_star = statistics.median(ceilings)
     rr = med["RR"]
-    return {"replicas": replicas, "popularity": popularity, "ceiling_hit_rate": h_star, "medians": med,
+    return {"replicas": replicas, "popularity": popularity, "groups": groups, "ceiling_hit_rate": h_star,
+            "medians": med,
             "ratios": {a: {"req_per_s_vs_RR": m["req_per_s"] / rr["req_per_s"],
                            "hit_rate_vs_ceiling": m["hit_rate"] / h_star} for a, m in med.items()},
-            "pairs": pairs, "runs": runs,
-            "kv_tokens_per_replica": int(kv_share * 16 * replicas * prefix_tokens / replicas)}
+            "pairs": pairs, "runs": runs}
 
 
 def format_table(cases: Sequence[dict[str, Any]]) -> str:
@@ -278,6 +376,36 @@ def plot(cases: Sequence[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
+async def _cases(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any]]:
+    cases: list[dict[str, Any]] = []
+    for n in args.replicas:
+        pool = None
+        if args.engine == "vllm":
+            from .engines import make_gpu_model_dir
+
+            model_dir = make_gpu_model_dir(str(args.tokenizer), "/tmp/prefixgate-w5-1b", shape="1b")
+            pool = Replicas("vllm", n, tokenizer, kv_blocks=args.kv_blocks, model_dir=model_dir)
+        elif args.engine == "vllm-cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            pool = Replicas("vllm-cpu", n, tokenizer, kv_blocks=args.kv_blocks,
+                            model_dir=str(ROOT / "tests" / "fixtures" / "tiny-llama"))
+        try:
+            for popularity in args.popularity:
+                cases.append(await run_case(
+                    n, popularity, repeats=args.repeats, prefix_tokens=args.prefix_tokens,
+                    kv_share=args.kv_share, tokenizer=tokenizer, groups=args.groups,
+                    pair=not args.no_pair and popularity == "zipf", pool=pool))
+                print(format_table(cases[-1:]), flush=True)
+                if args.json:  # so far, in case a later case does not finish
+                    args.json.parent.mkdir(parents=True, exist_ok=True)
+                    args.json.write_text(json.dumps({"benchmark": f"W5-{args.engine}", "cases": cases,
+                                                     "partial": True}, indent=1))
+        finally:
+            if pool is not None:
+                pool.close()
+    return cases
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the cases, prints the table, writes JSON and a PNG."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.routing", description=__doc__.split("\n")[0])
@@ -288,23 +416,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kv-share", type=float, default=1.5,
                    help="each replica's KV over its share of the working set (the prefixes / N)")
     p.add_argument("--no-pair", action="store_true", help="skip the two-gateway runs (zipf cases)")
+    p.add_argument("--engine", default="sim", choices=["sim", "vllm", "vllm-cpu"],
+                   help="vllm: real engines (one per replica, sharing the GPU; 1B shape, dummy weights); "
+                   "vllm-cpu: the tiny Llama on vllm-cpu")
+    p.add_argument("--groups", type=int, default=None, help="prefix groups (default 16 per replica)")
+    p.add_argument("--kv-blocks", type=int, default=6000, help="vllm: each replica's KV blocks")
+    p.add_argument("--tokenizer", type=Path, default=ROOT / "tests" / "fixtures" / "tiny-llama")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "tests" / "fixtures" / "tiny-llama"))
+    tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
     wall0 = time.perf_counter()
-    cases = []
-    for n in args.replicas:
-        for popularity in args.popularity:
-            cases.append(run_case(n, popularity, repeats=args.repeats, prefix_tokens=args.prefix_tokens,
-                                  kv_share=args.kv_share, tokenizer=tokenizer,
-                                  pair=not args.no_pair and popularity == "zipf"))
-            print(format_table(cases[-1:]), flush=True)
+    cases = asyncio.run(_cases(args, tokenizer))
     print(format_table(cases))
-    doc = {"benchmark": "W5-sim", "profile": "gpu-1b", "args": {k: str(v) for k, v in vars(args).items()},
-           "cases": cases, "wall_s": time.perf_counter() - wall0}
+    doc: dict[str, Any] = {"benchmark": f"W5-{args.engine}", "cases": cases,
+                           "args": {k: str(v) for k, v in vars(args).items()},
+                           "wall_s": time.perf_counter() - wall0}
+    if args.engine == "sim":
+        doc["profile"] = "gpu-1b"
+    else:
+        import vllm
+
+        doc["vllm_version"] = vllm.__version__
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))

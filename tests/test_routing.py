@@ -265,3 +265,20 @@ async def test_two_independent_gateways_start_each_prefix_on_the_same_replica():
     assert len(both) >= 20 and all(first[0][g] == first[1][g] for g in both)
     assert len(set(first[0].values())) == 6  # the ring spreads the prefixes over every replica
     assert min(hits) > 0.5
+
+
+async def test_the_w5_routing_benchmark_runs_every_arm_and_two_gateways_on_the_simulator():
+    from transformers import AutoTokenizer
+
+    from benchmarks.routing import ARMS, format_table, run_case
+
+    tokenizer = AutoTokenizer.from_pretrained("tests/fixtures/tiny-llama")
+    case = await run_case(2, "zipf", repeats=1, prefix_tokens=256, kv_share=1.5, tokenizer=tokenizer,
+                          pair=True, groups=8)
+    assert set(case["medians"]) == set(ARMS) and set(case["pairs"]) == {"L", "L ring"}
+    for arm in ARMS:
+        run = case["runs"][arm][0]
+        assert run["requests"] == sum(run["placed"]) and not run["errors"]
+        assert 0 <= case["medians"][arm]["hit_rate"] <= case["ceiling_hit_rate"] + 1e-9
+    assert case["medians"]["L"]["hit_rate"] > case["medians"]["RR"]["hit_rate"]
+    assert "two gateways (L)" in format_table([case])
