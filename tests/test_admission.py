@@ -275,3 +275,36 @@ async def _drain(stream):
 
 async def _spin(n: int = 0) -> None:
     await run_until_idle()
+
+
+async def test_stats_late_because_the_event_loop_was_busy_do_not_count_as_a_silent_engine():
+    """News from an in-process engine waits for the loop: when the loop itself was late, stats as
+    old as its lateness are not stale. When the loop was free and the engine said nothing, they
+    are (real clock: the loop's lateness is measured while requests are in flight)."""
+    import time
+
+    def gateway():
+        engine = _engine(blocks=100)
+        engine.set_kv_stats(KvStats(time=time.monotonic(), total_blocks=100, free_blocks=100))
+        return engine, Gateway(engine, GatewayConfig(ordering="fcfs", stats_max_age=0.2))
+
+    for loop_busy in (True, False):
+        engine, gw = gateway()
+        first = asyncio.create_task(_drain(gw.generate("first request", FakeSamplingParams(4))))
+        await _spin()  # dispatched: the engine now has work and the loop's heartbeat runs
+        engine.set_kv_stats(KvStats(time=time.monotonic(), total_blocks=100, free_blocks=90))
+        if loop_busy:
+            time.sleep(0.5)  # the loop is held: the heartbeat is late by as much
+        else:
+            await asyncio.sleep(0.5)  # the loop is free; the engine reports nothing
+        second = asyncio.create_task(_drain(gw.generate("second request", FakeSamplingParams(4))))
+        await _spin()
+        stats = gw.statistics()
+        if loop_busy:
+            assert stats.running == 2 and stats.blocked is None
+        else:
+            assert stats.running == 1 and stats.blocked == "kv_stats_stale"
+        engine.step.set()
+        engine.set_kv_stats(KvStats(time=time.monotonic(), total_blocks=100, free_blocks=90))
+        await asyncio.gather(first, second)
+        await gw.aclose()

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["AutoClock", "Clock", "FakeClock", "MonotonicClock", "run_until_idle"]
+__all__ = ["AutoClock", "Clock", "FakeClock", "LoopLag", "MonotonicClock", "run_until_idle"]
 
 
 @runtime_checkable
@@ -248,3 +248,64 @@ class AutoClock:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(now={self._now:.6f}, pending={len(self._events)})"
+
+
+class LoopLag:
+    """How late the running event loop is: a heartbeat every ``period`` seconds while armed.
+
+    Everything the gateway learns from an in-process engine (outputs, per-step KV stats) arrives
+    as callbacks on the loop it runs on; when the loop is busy for seconds (one Python process
+    driving engines and a gateway through a burst), news from the engine is late by as much,
+    though the engine is fine. :meth:`lag_since` says how late the loop has been, so that stats
+    are not taken for a silent engine when the loop was the one that could not listen.
+
+    Args:
+        period: Seconds between heartbeats.
+    """
+
+    __slots__ = ("_due", "_handle", "_marks", "period")
+
+    def __init__(self, period: float = 0.1) -> None:
+        self.period = period
+        self._due = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+        self._marks: deque[tuple[float, float]] = deque(maxlen=256)
+
+    @property
+    def armed(self) -> bool:
+        """Whether the heartbeat is running."""
+        return self._handle is not None
+
+    def arm(self) -> None:
+        """Starts the heartbeat on the running loop (until :meth:`disarm`). Idempotent."""
+        if self._handle is None:
+            self._due = time.monotonic() + self.period
+            self._handle = asyncio.get_running_loop().call_later(self.period, self._tick)
+
+    def disarm(self) -> None:
+        """Stops the heartbeat."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self._marks.append((now, now - self._due))
+        self._due = now + self.period
+        self._handle = asyncio.get_running_loop().call_later(self.period, self._tick)
+
+    def lag_since(self, since: float) -> float:
+        """The most the loop was late (seconds, ``time.monotonic``) at heartbeats after
+        ``since``, or by now for a heartbeat overdue now; 0 when not armed."""
+        if self._handle is None:
+            return 0.0
+        now = time.monotonic()
+        late = max(0.0, now - self._due)
+        for at, lag in reversed(self._marks):
+            if at < since:
+                break
+            late = max(late, lag)
+        return late
+
+    def __repr__(self) -> str:
+        return f"LoopLag(period={self.period}, armed={self.armed})"

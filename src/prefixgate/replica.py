@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from .admission import Admission, BlockLedger
-from .clock import Clock, MonotonicClock
+from .clock import Clock, LoopLag, MonotonicClock
 from .config import GatewayConfig
 from .engine import Engine, completion_reader, engine_slots
 from .errors import EngineDead, EngineStalled, PrefixgateError
@@ -55,6 +55,9 @@ class Replica:
         self.engine = engine
         self.config = config
         self.clock = clock
+        self.loop_lag = LoopLag()
+        """How late the event loop is, measured while requests are in flight (real clock only):
+        KV stats that are late because the loop was are not taken for a silent engine."""
         self.mirror = PrefixMirror(engine.num_blocks)
         capacity = int(engine.num_blocks * config.kv_budget)
         self.admission = Admission(
@@ -63,7 +66,8 @@ class Replica:
             default_output_tokens=config.default_output_tokens,
             watermark_blocks=int(engine.num_blocks * config.kv_watermark),
             stats_max_age=config.stats_max_age, kv_stats=engine.kv_stats, clock=clock,
-            max_model_len=engine.max_model_len)
+            max_model_len=engine.max_model_len,
+            loop_lag=self.loop_lag.lag_since if isinstance(clock, MonotonicClock) else None)
         self.slots: int | None = engine_slots(engine)
         self.completion = completion_reader(engine)
         self.dead: EngineDead | None = None
@@ -99,6 +103,8 @@ class Replica:
     def arm_watchdog(self) -> None:
         """Starts watching for stalls while requests are in flight: a loop timer on the real
         clock (nothing to clean up), a task sleeping on a virtual or fake clock."""
+        if isinstance(self.clock, MonotonicClock):
+            self.loop_lag.arm()
         stall = self.config.stall_timeout
         if stall is None or self._watchdog is not None or self._watch_timer is not None:
             return
@@ -146,7 +152,9 @@ class Replica:
             self._stall_mark = (progress, now)
 
     def idle(self) -> None:
-        """Nothing runs any more: a watchdog task on a virtual clock must not be left pending."""
+        """Nothing runs any more: a watchdog task on a virtual clock must not be left pending,
+        nor the loop's heartbeat."""
+        self.loop_lag.disarm()
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
