@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import xxhash
@@ -183,20 +183,24 @@ class ConsistentHash:
         self._points = [p for p, _ in ring]
         self._owners = [i for _, i in ring]
 
-    def order(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> list[int]:
-        """The replicas' indexes in ring order from ``ticket``'s key, each once."""
+    def walk(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> Iterator[int]:
+        """The replicas' indexes in ring order from ``ticket``'s key, each once, lazily (a
+        placement usually needs only the first few)."""
         self._ring(replicas)
         key = prefix_key(ticket, self.route_prefix_tokens, replicas[0].block_size)
         start = bisect.bisect_right(self._points, key)
-        owners, seen, out = self._owners, set(), []
+        owners, seen = self._owners, set()
         for k in range(len(owners)):
             i = owners[(start + k) % len(owners)]
             if i not in seen:
                 seen.add(i)
-                out.append(i)
-                if len(out) == len(replicas):
-                    break
-        return out
+                yield i
+                if len(seen) == len(replicas):
+                    return
+
+    def order(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> list[int]:
+        """The replicas' indexes in ring order from ``ticket``'s key, each once."""
+        return list(self.walk(ticket, replicas))
 
     def bound(self, replicas: Sequence[ReplicaState]) -> int:
         """The load a live replica must stay under to take one more request."""
@@ -207,7 +211,7 @@ class ConsistentHash:
     def place(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
         bound = self.bound(replicas)
         first = None
-        for i in self.order(ticket, replicas):
+        for i in self.walk(ticket, replicas):
             r = replicas[i]
             if not r.alive:
                 continue

@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .dispatch import Dispatcher
 from .errors import EngineDead, PrefixgateError, ShuttingDown
+from .ingress import IngressRequest
 from .placement import PlacementPolicy, ReplicaState
 from .queueing import Scheduler
 from .replica import Replica
@@ -63,10 +64,12 @@ class Router:
         policy: Chooses a replica for each request.
         stats: The gateway's counters.
         live: The request ids of live streams (the dispatchers' shared dict).
+        prepare: Prepares a request off the event loop (or inline) into its ticket.
     """
 
     def __init__(self, units: Sequence[Unit], policy: PlacementPolicy, *, stats: StatsRecorder,
-                 live: dict[str, Ticket | None]) -> None:
+                 live: dict[str, Ticket | None],
+                 prepare: Callable[[IngressRequest], Awaitable[Ticket]]) -> None:
         if not units:
             raise ValueError("a router needs at least one replica")
         self.units = list(units)
@@ -74,6 +77,7 @@ class Router:
         self.policy = policy
         self.stats = stats
         self.live = live
+        self._prepare = prepare
         self._placed: dict[Ticket, tuple[Unit, int]] = {}  # ticket -> (its unit, its pending tokens)
         for unit in self.units:
             unit.dispatcher.on_release = self._unplace
@@ -159,7 +163,6 @@ class Router:
     async def enter(self, stream: ResponseStream) -> None:
         """Prepares (if not yet), places and admits ``stream``'s request: every refusal is
         raised here. Once."""
-        unit = self.units[0]
         if stream.ticket is not None and stream.admitted:
             stream._mark_entered()
             return
@@ -167,7 +170,7 @@ class Router:
         try:
             if stream.ticket is None:
                 try:
-                    ticket = await unit.dispatcher._prepare(request)
+                    ticket = await self._prepare(request)
                 except PrefixgateError as e:
                     self.stats.refuse(e.outcome)
                     raise
