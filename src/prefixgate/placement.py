@@ -233,8 +233,9 @@ class CostPlacement:
     runs. A prefix that no replica holds or expects (a cold one) goes to the first live replica
     on the ring from its key, whatever the loads, so independent gateways put a new prefix in
     the same place (each sees only its own load) and from there each follows it by its hits;
-    the loads even out through the requests that follow (a replica with ``1 / weight`` times a
-    request's uncached tokens more work placed on it than another loses the next one). On the
+    the loads even out through the requests that follow (a request leaves the replica that
+    holds its prefix once ``1 / weight`` times the tokens it would hit there are waiting there
+    beyond another replica's: a hit saves its tokens, work ahead only delays). On the
     simulated W5, bounding the cold placement's load too split two gateways' placements more
     (agreement 0.51 against 0.61) for no better balance.
 
@@ -243,7 +244,7 @@ class CostPlacement:
             ``weight`` times as much as one this request would compute there: below 1, a hit
             saves more than the same number of tokens queued ahead costs (the hit saves work
             for good; the queue only delays). At 0.1 a request leaves its prefix's replica when
-            ten times its uncached tokens wait there beyond another's.
+            more than ten times the tokens it would hit there wait there beyond another's.
         route_prefix_tokens: The ring's key depth, for cold prefixes (see :class:`ConsistentHash`).
 
     Raises:
