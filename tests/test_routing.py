@@ -282,3 +282,37 @@ async def test_the_w5_routing_benchmark_runs_every_arm_and_two_gateways_on_the_s
         assert 0 <= case["medians"][arm]["hit_rate"] <= case["ceiling_hit_rate"] + 1e-9
     assert case["medians"]["L"]["hit_rate"] > case["medians"]["RR"]["hit_rate"]
     assert "two gateways (L)" in format_table([case])
+
+
+async def test_killing_a_replica_mid_run_loses_no_request_and_its_queue_completes_elsewhere():
+    clock, engines = sims(4, num_blocks=64)  # KV for a few requests each: the rest queue
+    prompts = group_prompts(12, 6)
+    random.Random(2).shuffle(prompts)
+    async with Gateway(engines, GatewayConfig(route_prefix_tokens=64), clock=clock) as gw:
+        seen: dict[str, int] = {}
+
+        async def client(i: int, prompt: str) -> str:
+            try:
+                async for _ in gw.generate(prompt, FakeSamplingParams(max_tokens=8), request_id=f"r{i}"):
+                    seen[f"r{i}"] = seen.get(f"r{i}", 0) + 1
+            except EngineDead:
+                return "dead"
+            return "completed"
+
+        async def killer() -> None:
+            # Once replica 1 has streamed a first token to some client and holds more requests.
+            while not any(seen.get(rid) for rid in engines[1]._live) or len(engines[1]._live) < 2:
+                await clock.sleep(0.0005)
+            engines[1].kill()
+
+        clients = asyncio.gather(*(client(i, p) for i, p in enumerate(prompts)))
+        results, _ = await asyncio.gather(clients, killer())
+        stats = gw.statistics()
+    assert len(results) == len(prompts) and set(results) <= {"completed", "dead"}
+    dead = [f"r{i}" for i, r in enumerate(results) if r == "dead"]
+    assert dead and all(seen.get(rid, 0) >= 1 for rid in dead)  # only those already streaming error
+    assert stats.replaced > 0  # what it held without answering went to the others and completed
+    assert stats.completed == results.count("completed") == len(prompts) - len(dead)
+    assert [r.alive for r in stats.replicas] == [True, False, True, True]
+    with pytest.raises(EngineDead):
+        await drain(engines[1].generate(None))  # type: ignore[arg-type]

@@ -381,6 +381,17 @@ class SimEngine:
             self._inputs.append(request_id)
             self._kick()
 
+    def kill(self, reason: str = "the simulated engine was killed") -> None:
+        """Makes the simulator die now, as a crashed engine does: every live request's stream
+        raises ``EngineDead`` at its next output, and so does every later :meth:`generate`."""
+        if self._dead is None:
+            self._dead = RuntimeError(reason)
+        for req in list(self._live.values()):
+            req.stream.error = self._dead
+            req.stream.wake()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
     async def reset_prefix_cache(self) -> bool:
         """Drops every cached block, as vLLM's ``reset_prefix_cache``.
 
