@@ -261,12 +261,16 @@ class LoopLag:
 
     Args:
         period: Seconds between heartbeats.
+        active: Whether to keep beating: checked at each heartbeat, which stops when it says
+            no (so arming it again for every request of a steady stream costs nothing); always,
+            when ``None``, until :meth:`disarm`.
     """
 
-    __slots__ = ("_due", "_handle", "_marks", "period")
+    __slots__ = ("_active", "_due", "_handle", "_marks", "period")
 
-    def __init__(self, period: float = 0.1) -> None:
+    def __init__(self, period: float = 0.1, active: Callable[[], bool] | None = None) -> None:
         self.period = period
+        self._active = active
         self._due = 0.0
         self._handle: asyncio.TimerHandle | None = None
         self._marks: deque[tuple[float, float]] = deque(maxlen=256)
@@ -291,6 +295,9 @@ class LoopLag:
     def _tick(self) -> None:
         now = time.monotonic()
         self._marks.append((now, now - self._due))
+        if self._active is not None and not self._active():
+            self._handle = None
+            return
         self._due = now + self.period
         self._handle = asyncio.get_running_loop().call_later(self.period, self._tick)
 

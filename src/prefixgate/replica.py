@@ -55,7 +55,7 @@ class Replica:
         self.engine = engine
         self.config = config
         self.clock = clock
-        self.loop_lag = LoopLag()
+        self.loop_lag = LoopLag(active=lambda: bool(self._running))
         """How late the event loop is, measured while requests are in flight (real clock only):
         KV stats that are late because the loop was are not taken for a silent engine."""
         self.mirror = PrefixMirror(engine.num_blocks)
@@ -152,16 +152,16 @@ class Replica:
             self._stall_mark = (progress, now)
 
     def idle(self) -> None:
-        """Nothing runs any more: a watchdog task on a virtual clock must not be left pending,
-        nor the loop's heartbeat."""
-        self.loop_lag.disarm()
+        """Nothing runs any more: a watchdog task on a virtual clock must not be left pending
+        (the loop's heartbeat stops itself at its next beat)."""
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
 
     def disarm_watchdog(self) -> None:
-        """Stops the watchdog, whatever the clock."""
+        """Stops the watchdog and the loop's heartbeat, whatever the clock."""
         self.idle()
+        self.loop_lag.disarm()
         if self._watch_timer is not None:
             self._watch_timer.cancel()
             self._watch_timer = None
