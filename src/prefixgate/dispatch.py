@@ -280,9 +280,11 @@ class Dispatcher:
 
     # -- serving ----------------------------------------------------------------------------
 
-    async def enter(self, stream: ResponseStream) -> None:
+    async def enter(self, stream: ResponseStream,
+                    admit: Callable[[Ticket], Awaitable[Any]] | None = None) -> None:
         """Prepares (if not yet) and admits (if not dispatched at the call) ``stream``'s request:
-        every refusal is raised here. Once."""
+        every refusal is raised here. Once. ``admit`` replaces this dispatcher's admission and
+        pump (a router places the ticket on a replica there)."""
         request, ticket = stream.request, stream.ticket
         try:
             if ticket is None:
@@ -294,8 +296,11 @@ class Dispatcher:
                 stream._prepared(ticket)
                 self.live[request.request_id] = ticket
             if not stream.admitted:
-                await self.admit(ticket)
-                self.schedule_pump()
+                if admit is not None:
+                    await admit(ticket)
+                else:
+                    await self.admit(ticket)
+                    self.schedule_pump()
         except BaseException:
             self.live.pop(request.request_id, None)
             raise

@@ -113,8 +113,7 @@ class Gateway:
             policy = make_placement(config.placement, epsilon=config.placement_epsilon,
                                     margin=config.placement_margin,
                                     route_prefix_tokens=config.route_prefix_tokens)
-            self._router = self._dispatch = Router(units, policy, stats=self._stats, live=first.live,
-                                                   prepare=self._prepare)
+            self._router = self._dispatch = Router(units, policy, stats=self._stats, live=first.live)
         self._live = self._dispatch.live  # request ids of streams not yet ended
         # What every stream is handed: bound once here, not once per request.
         self._serve, self._forget = self._dispatch.serve, self._dispatch.forget

@@ -19,13 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .dispatch import Dispatcher
 from .errors import EngineDead, PrefixgateError, ShuttingDown
-from .ingress import IngressRequest
 from .placement import PlacementPolicy, ReplicaState
 from .queueing import Scheduler
 from .replica import Replica
@@ -64,12 +63,10 @@ class Router:
         policy: Chooses a replica for each request.
         stats: The gateway's counters.
         live: The request ids of live streams (the dispatchers' shared dict).
-        prepare: Prepares a request off the event loop (or inline) into its ticket.
     """
 
     def __init__(self, units: Sequence[Unit], policy: PlacementPolicy, *, stats: StatsRecorder,
-                 live: dict[str, Ticket | None],
-                 prepare: Callable[[IngressRequest], Awaitable[Ticket]]) -> None:
+                 live: dict[str, Ticket | None]) -> None:
         if not units:
             raise ValueError("a router needs at least one replica")
         self.units = list(units)
@@ -77,7 +74,6 @@ class Router:
         self.policy = policy
         self.stats = stats
         self.live = live
-        self._prepare = prepare
         self._placed: dict[Ticket, tuple[Unit, int]] = {}  # ticket -> (its unit, its pending tokens)
         for unit in self.units:
             unit.dispatcher.on_release = self._unplace
@@ -162,26 +158,9 @@ class Router:
 
     async def enter(self, stream: ResponseStream) -> None:
         """Prepares (if not yet), places and admits ``stream``'s request: every refusal is
-        raised here. Once."""
-        if stream.ticket is not None and stream.admitted:
-            stream._mark_entered()
-            return
-        request = stream.request
-        try:
-            if stream.ticket is None:
-                try:
-                    ticket = await self._prepare(request)
-                except PrefixgateError as e:
-                    self.stats.refuse(e.outcome)
-                    raise
-                stream._prepared(ticket)
-                self.live[request.request_id] = ticket
-            assert stream.ticket is not None
-            await self._admit(stream.ticket)
-        except BaseException:
-            self.live.pop(request.request_id, None)
-            raise
-        stream._mark_entered()
+        raised here. Once. (The first unit's dispatcher prepares it: ingress, ids and statistics
+        are the gateway's, shared by every unit.)"""
+        await self.units[0].dispatcher.enter(stream, admit=self._admit)
 
     async def serve(self, stream: ResponseStream) -> AsyncGenerator[Any, None]:
         """Places (if not yet) and streams one request from its replica; places it again if that
