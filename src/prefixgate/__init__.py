@@ -49,6 +49,7 @@ from .keys import BlockHash, Namespace, block_hashes
 from .ordering import Fcfs, OrderingPolicy, PrefixOrder, PriorityOrder
 from .placement import ConsistentHash, CostPlacement, LeastLoaded, PlacementPolicy, ReplicaState, RoundRobin
 from .policies import AdmissionPolicy, Refusal, TokenBudget, Usage
+from .remote import RemoteVllm
 from .statistics import GatewayStatistics, ReplicaStatistics, RuleStats
 from .streaming import ResponseStream
 from .tickets import Ticket, TicketState
@@ -99,6 +100,7 @@ __all__ = (
     "Reason",
     "Refusal",
     "Rejected",
+    "RemoteVllm",
     "ReplicaState",
     "ReplicaStatistics",
     "RequestTooLarge",

@@ -104,6 +104,9 @@ class Dispatcher:
         self._idle = asyncio.Event()
         self._idle.set()
         replica.watch(scheduler.running, self.kill)
+        watch_health = getattr(replica.engine, "watch_health", None)
+        if watch_health is not None:
+            watch_health(self._on_health)
 
     # -- admission --------------------------------------------------------------------------
 
@@ -431,6 +434,18 @@ class Dispatcher:
         if self.replica.mark_dead(error):
             for ticket in self.scheduler.waiting():
                 self.fail(ticket, EngineDead("the engine has died"))
+
+    def _on_health(self, healthy: bool) -> None:
+        """An engine that reports health checks (``Engine.watch_health``): failing them takes
+        the replica out as a death would (what waits for it fails with ``EngineDead``, which a
+        router re-places); passing them again takes it back."""
+        if self.closing:
+            return
+        if not healthy:
+            if self.replica.dead is None:
+                self._on_dead(EngineDead("the engine failed its health checks"))
+        elif self.replica.revive():
+            log.warning("prefixgate: %r is back", self.replica.engine)
 
     def release(self, ticket: Ticket) -> None:
         """Ends ``ticket``: frees its queue slot or window slot and blocks, counts its outcome,

@@ -246,6 +246,10 @@ class Engine(Protocol):
     # and raises ``InvalidRequest`` for what its constructor refuses. Engines without it take
     # only their own parameters object.
 
+    # Optional: ``watch_health(listener: Callable[[bool], None]) -> None``: the engine checks its
+    # own health (a remote server: ``RemoteVllm``) and calls ``listener`` with each verdict; the
+    # gateway takes the replica out while it fails and back once it passes.
+
     def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
         """Validates ``sampling_params`` for this engine.
 

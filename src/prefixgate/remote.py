@@ -1,0 +1,456 @@
+"""A vLLM server over HTTP behind prefixgate's :class:`~prefixgate.engine.Engine`: :class:`RemoteVllm`.
+
+A replica past one process is a vLLM OpenAI-compatible server
+(``python -m vllm.entrypoints.openai.api_server``). The gateway keeps doing what it does in
+process (canonicalize, tokenize with the model's own tokenizer, key, queue, admit, place) and
+sends each request as a streaming ``/v1/completions`` call whose prompt is the token ids, with
+the tenant's ``cache_salt``: the server never re-tokenizes, so the gateway's block keys are the
+server's. The rest of what the engine protocol asks for comes from the server itself:
+
+* block size and KV capacity from the ``vllm:cache_config_info`` metric, the model and its
+  ``max_model_len`` from ``/v1/models``;
+* KV usage, running and waiting counts, prefix-cache queries and hits, preemptions and scheduler
+  steps from ``/metrics``, scraped every ``metrics_interval`` seconds by a background task, which
+  is also the health check (with ``/health``);
+* cached tokens per request from the stream's ``usage.prompt_tokens_details.cached_tokens``
+  (start the server with ``--enable-prompt-tokens-details``; without it they are unknown);
+* output token ids from ``return_token_ids``.
+
+Cancellation closes the HTTP stream; vLLM aborts a request whose client disconnects. A server
+that fails ``unhealthy_after`` health checks in a row is reported unhealthy to the gateway, which
+takes it out of placement and re-places what was queued for it; it is reported healthy again
+(and taken back, its cache mirror emptied) once a check passes.
+
+Needs ``httpx`` (the ``remote`` extra; vLLM installs it too). What goes over the wire (outputs,
+metrics, ``/tokenize``, errors) is in :mod:`prefixgate.remote_wire`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .clock import Clock, MonotonicClock
+from .engine import Completion, EngineRequest, KvStats, SamplingCheck, Tokenizer, check_max_tokens
+from .errors import EngineDead, EngineError, InvalidRequest, PrefixgateError
+from .remote_wire import (
+    SAMPLING_FIELDS,
+    RemoteCompletion,
+    RemoteOutput,
+    RemoteTokenizer,
+    http_error,
+    load_tokenizer,
+    parse_metrics,
+)
+
+__all__ = ["RemoteVllm"]
+
+log = logging.getLogger(__name__)
+
+# vllm.SamplingParams attributes that map one to one onto completions fields.
+_PARAM_ATTRS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                "logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
+                "include_stop_str_in_output", "n")
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Live:
+    response: Any = None
+    aborted: bool = False
+
+
+@dataclass(slots=True)
+class _Health:
+    alive: bool = True
+    failures: int = 0
+    started: float | None = None
+    listeners: list[Callable[[bool], None]] = field(default_factory=list)
+
+
+class RemoteVllm:
+    """A vLLM OpenAI-compatible server as a prefixgate engine. Build it with :meth:`connect`.
+
+    Sampling parameters are the ``/v1/completions`` body's sampling fields, as a mapping
+    (``{"max_tokens": 64, "temperature": 0}``, see :data:`SAMPLING_FIELDS`), or a
+    ``vllm.SamplingParams`` whose fields that differ from its defaults are sent. ``n`` must be 1.
+    Prompts with media are refused (send them to an in-process :class:`VllmEngine`).
+
+    Invariant: :meth:`kv_stats` is the latest successful scrape; :attr:`healthy` turns false
+    after ``unhealthy_after`` failed health checks in a row and true at the next one that passes,
+    and every listener hears each check's result.
+
+    Args:
+        url: The server's base URL (``http://host:port``).
+        client: An ``httpx.AsyncClient`` with ``base_url=url``; closed by :meth:`close`.
+        model: The served model's name (sent as ``model``; part of every block key).
+        block_size: The server's KV block size.
+        num_blocks: KV blocks requests can use (the server's ``num_gpu_blocks`` less its null block).
+        max_model_len: The longest sequence the server accepts.
+        tokenizer: The model's tokenizer.
+        max_num_seqs: The server's ``--max-num-seqs``, if known (sizes the gateway's window).
+        clock: Timestamps KV stats.
+        metrics_interval: Seconds between scrapes of ``/health`` and ``/metrics``.
+        unhealthy_after: Failed checks in a row after which the server counts as unhealthy.
+    """
+
+    def __init__(self, url: str, client: Any, *, model: str, block_size: int, num_blocks: int,
+                 max_model_len: int, tokenizer: Tokenizer, max_num_seqs: int | None = None,
+                 clock: Clock | None = None, metrics_interval: float = 0.25,
+                 unhealthy_after: int = 2) -> None:
+        if metrics_interval <= 0:
+            raise ValueError(f"metrics_interval must be positive, got {metrics_interval!r}")
+        if unhealthy_after < 1:
+            raise ValueError(f"unhealthy_after must be >= 1, got {unhealthy_after!r}")
+        self.url = url
+        self._client = client
+        self._model = model
+        self._block_size = block_size
+        self._num_blocks = num_blocks
+        self._max_model_len = max_model_len
+        self._tokenizer = tokenizer
+        self._max_num_seqs = max_num_seqs
+        self._clock = clock or MonotonicClock()
+        self.metrics_interval = metrics_interval
+        self.unhealthy_after = unhealthy_after
+        self._stats: KvStats | None = None
+        self._health = _Health()
+        self._live: dict[str, _Live] = {}
+        self._monitor: asyncio.Task[None] | None = None
+        self._closed = False
+        self._defaults: dict[type, Any] = {}
+
+    @classmethod
+    async def connect(cls, url: str, *, tokenizer: Any = None, model: str | None = None,
+                      max_num_seqs: int | None = None, api_key: str | None = None,
+                      timeout: float = 10.0, metrics_interval: float = 0.25, unhealthy_after: int = 2,
+                      clock: Clock | None = None) -> RemoteVllm:
+        """Connects to a running vLLM server, reads what it serves, and starts watching it.
+
+        Args:
+            url: The server's base URL (``http://127.0.0.1:8000``).
+            tokenizer: The model's tokenizer, or a path to load it from with ``transformers``;
+                ``None`` loads it from the served model's path when that exists here, else
+                tokenizes over HTTP (:class:`RemoteTokenizer`).
+            model: Which served model to use; the server's first when ``None``.
+            max_num_seqs: The server's ``--max-num-seqs`` (the server does not report it);
+                ``None`` leaves the gateway's in-flight window unbounded by it.
+            api_key: Sent as a bearer token (vLLM's ``--api-key``).
+            timeout: Seconds to connect, and for every call but streams' reads.
+            metrics_interval: Seconds between health checks and ``/metrics`` scrapes.
+            unhealthy_after: Failed checks in a row after which the server counts as unhealthy.
+            clock: Timestamps KV stats.
+
+        Raises:
+            EngineDead: The server cannot be reached or does not answer as vLLM does.
+            ValueError: The server runs without prefix caching, or does not serve ``model``.
+        """
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        url = url.rstrip("/")
+        client = httpx.AsyncClient(
+            base_url=url, headers=headers,
+            timeout=httpx.Timeout(timeout, read=None),  # streams: the stall watchdog bounds them
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        try:
+            models = await client.get("/v1/models", timeout=timeout)
+            models.raise_for_status()
+            cards = models.json()["data"]
+            card = next((c for c in cards if model is None or c["id"] == model), None)
+            if card is None:
+                raise ValueError(f"{url} does not serve {model!r} (it serves "
+                                 f"{', '.join(c['id'] for c in cards)})")
+            metrics = await client.get("/metrics", timeout=timeout)
+            metrics.raise_for_status()
+            config = parse_metrics(metrics.text).get("cache_config")
+        except ValueError:
+            await client.aclose()
+            raise
+        except Exception as e:
+            await client.aclose()
+            raise EngineDead(f"cannot reach a vLLM server at {url}: {type(e).__name__}: {e}") from e
+        if not config or "block_size" not in config or "num_gpu_blocks" not in config:
+            await client.aclose()
+            raise EngineDead(f"{url}/metrics has no vllm:cache_config_info: not a vLLM server?")
+        if config.get("enable_prefix_caching") == "False":
+            await client.aclose()
+            raise ValueError(f"{url} runs without prefix caching (start it with --enable-prefix-caching)")
+        if tokenizer is None:
+            try:
+                tokenizer = load_tokenizer(card.get("root") or card["id"])
+            except Exception:
+                log.warning("prefixgate: no local tokenizer for %s; tokenizing over %s/tokenize",
+                            card["id"], url)
+                tokenizer = RemoteTokenizer(url, card["id"], timeout=timeout, headers=headers)
+        elif not isinstance(tokenizer, Tokenizer):
+            tokenizer = load_tokenizer(tokenizer)
+        engine = cls(url, client, model=card["id"], block_size=int(config["block_size"]),
+                     num_blocks=max(0, int(config["num_gpu_blocks"]) - 1),
+                     max_model_len=int(card.get("max_model_len") or 0) or 2 ** 31,
+                     tokenizer=tokenizer, max_num_seqs=max_num_seqs, clock=clock,
+                     metrics_interval=metrics_interval, unhealthy_after=unhealthy_after)
+        engine._record(parse_metrics(metrics.text))
+        engine._monitor = asyncio.ensure_future(engine._watch())
+        return engine
+
+    # -- what the gateway reads ---------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._model
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def max_num_seqs(self) -> int | None:
+        return self._max_num_seqs
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the latest health checks passed (see the class)."""
+        return self._health.alive
+
+    def watch_health(self, listener: Callable[[bool], None]) -> None:
+        """Calls ``listener`` with each health check's verdict (:attr:`healthy` after it)."""
+        self._health.listeners.append(listener)
+
+    def kv_stats(self) -> KvStats | None:
+        return self._stats
+
+    # -- sampling parameters --------------------------------------------------------------------
+
+    def default_sampling_params(self) -> Any:
+        return {}
+
+    def build_sampling_params(self, fields: Mapping[str, Any]) -> Any:
+        """``fields`` checked against :data:`SAMPLING_FIELDS`, as a dict."""
+        unknown = set(fields) - SAMPLING_FIELDS
+        if unknown:
+            raise InvalidRequest(f"unknown sampling field(s) {sorted(unknown)}; a vLLM server takes "
+                                 f"{', '.join(sorted(SAMPLING_FIELDS))}")
+        return dict(fields)
+
+    def _fields(self, sampling_params: Any) -> dict[str, Any]:
+        """The completions body fields of ``sampling_params`` (a mapping, or a ``SamplingParams``
+        whose fields that differ from its type's defaults are taken)."""
+        if isinstance(sampling_params, Mapping):
+            return dict(sampling_params)
+        kind = type(sampling_params)
+        default = self._defaults.get(kind)
+        if default is None:
+            default = self._defaults[kind] = kind()
+        out = {}
+        for name in _PARAM_ATTRS:
+            value = getattr(sampling_params, name, None)
+            if value is not None and value != getattr(default, name, None):
+                out[name] = list(value) if isinstance(value, set | tuple) else value
+        if "max_tokens" not in out and getattr(sampling_params, "max_tokens", None) is not None:
+            out["max_tokens"] = sampling_params.max_tokens
+        return out
+
+    def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
+        if isinstance(sampling_params, Mapping):
+            self.build_sampling_params(sampling_params)
+            fields = sampling_params
+        elif hasattr(sampling_params, "max_tokens"):
+            try:
+                fields = self._fields(sampling_params)
+            except Exception as e:
+                raise InvalidRequest(f"cannot read sampling parameters {sampling_params!r}: {e}") from None
+        else:
+            raise InvalidRequest("sampling_params must be a mapping of completions fields or a "
+                                 f"vllm.SamplingParams, not {type(sampling_params).__name__}")
+        n = fields.get("n", 1)
+        if n != 1:
+            raise InvalidRequest(f"RemoteVllm serves one completion per request (n=1), got n={n!r}")
+        max_tokens = check_max_tokens(fields.get("max_tokens", 16))  # the server's default
+        for name in ("temperature", "top_p"):
+            value = fields.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not math.isfinite(value) or value < 0):
+                raise InvalidRequest(f"{name} must be a finite number >= 0, got {value!r}")
+        return SamplingCheck(max_tokens=max_tokens, reads_cache=fields.get("prompt_logprobs") is None)
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def completion(self, output: Any, sampling_params: Any) -> Completion | None:
+        """Reads a :class:`RemoteOutput`: ``None`` until the last one."""
+        if not output.finished:
+            return None
+        done = output.outputs[0]
+        return Completion(done.finish_reason == "abort", output.num_cached_tokens, done.token_ids)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        import httpx
+
+        if self._closed:
+            raise EngineDead(f"RemoteVllm({self.url}) is closed")
+        if request.media:
+            raise InvalidRequest(f"RemoteVllm sends token prompts only: {request.request_id} has "
+                                 f"{len(request.media)} media item(s)")
+        body: dict[str, Any] = self._fields(request.sampling_params)
+        body.update(model=getattr(request.lora_request, "lora_name", None) or self._model,
+                    prompt=list(request.prompt_token_ids), stream=True, return_token_ids=True,
+                    stream_options={"include_usage": True})
+        if request.cache_salt is not None:
+            body["cache_salt"] = request.cache_salt
+        if request.priority:
+            body["priority"] = request.priority
+        rid = request.request_id
+        live = _Live()
+        self._live[rid] = live
+        prompt = request.prompt_token_ids
+        ids: list[int] = []
+        text: list[str] = []
+        reason: str | None = None
+        cached: int | None = None
+        started = False
+        try:
+            async with self._client.stream("POST", "/v1/completions", json=body) as response:
+                live.response = response
+                if response.status_code != 200:
+                    raise http_error(rid, response.status_code, (await response.aread()).decode(
+                        "utf-8", "replace"), response.headers.get("retry-after"))
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise EngineError(f"{self.url} failed on {rid}: {chunk['error']}")
+                    usage = chunk.get("usage")
+                    if usage:
+                        details = usage.get("prompt_tokens_details") or {}
+                        cached = details.get("cached_tokens", cached)
+                    for choice in chunk.get("choices") or ():
+                        ids.extend(choice.get("token_ids") or ())
+                        text.append(choice.get("text") or "")
+                        reason = choice.get("finish_reason") or reason
+                        if reason is None:
+                            started = True
+                            yield RemoteOutput(rid, prompt, (RemoteCompletion(tuple(ids), "".join(text)),),
+                                               False)
+            if reason is None:
+                raise EngineError(f"{self.url} ended {rid}'s stream without a finish reason")
+            yield RemoteOutput(rid, prompt, (RemoteCompletion(tuple(ids), "".join(text), reason),),
+                               True, cached)
+        except PrefixgateError:
+            raise
+        except (httpx.HTTPError, OSError) as e:
+            if live.aborted:
+                yield RemoteOutput(rid, prompt, (RemoteCompletion(tuple(ids), "".join(text), "abort"),),
+                                   True, cached)
+                return
+            if isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
+                raise EngineError(f"{self.url} timed out on {rid}: {type(e).__name__}") from e
+            what = "mid-stream" if started else "before answering"
+            raise EngineDead(f"lost {self.url} {what} on {rid}: {type(e).__name__}: {e}") from e
+        except (ValueError, KeyError, TypeError) as e:  # a malformed event
+            raise EngineError(f"{self.url} sent a malformed event for {rid}: {e}") from e
+        finally:
+            if self._live.get(rid) is live:
+                del self._live[rid]
+
+    async def abort(self, request_id: str) -> None:
+        """Closes ``request_id``'s stream (vLLM aborts a request whose client is gone); its
+        stream ends with an aborted last output. A no-op for unknown or finished ids."""
+        live = self._live.get(request_id)
+        if live is not None and live.response is not None:
+            live.aborted = True
+            await live.response.aclose()
+
+    # -- health and KV stats --------------------------------------------------------------------
+
+    def _record(self, sample: Mapping[str, Any]) -> None:
+        usage = min(1.0, max(0.0, float(sample.get("usage", 0.0))))
+        self._stats = KvStats(
+            time=self._clock.now(), total_blocks=self._num_blocks,
+            free_blocks=round((1.0 - usage) * self._num_blocks),
+            running=int(sample.get("running", 0)), waiting=int(sample.get("waiting", 0)),
+            prefix_queries=int(sample.get("queries", 0)), prefix_hits=int(sample.get("hits", 0)),
+            preemptions=int(sample.get("preemptions", 0)), steps=int(sample.get("steps", 0)))
+        started = sample.get("started")
+        if started is not None:
+            if self._health.started is not None and started != self._health.started:
+                log.warning("prefixgate: %s restarted; its prefix cache is empty", self.url)
+            self._health.started = started
+
+    async def check(self) -> bool:
+        """One health check: ``/health``, then ``/metrics`` (recorded as :meth:`kv_stats`).
+        Updates :attr:`healthy` and tells the listeners; returns whether this check passed."""
+        health = self._health
+        try:
+            reply = await self._client.get("/health")
+            ok = bool(reply.status_code == 200)
+            if ok:
+                metrics = await self._client.get("/metrics")
+                ok = bool(metrics.status_code == 200)
+                if ok:
+                    self._record(parse_metrics(metrics.text))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            ok = False
+        if ok:
+            if not health.alive:
+                log.warning("prefixgate: %s is healthy again", self.url)
+            health.alive, health.failures = True, 0
+        else:
+            health.failures += 1
+            if health.alive and health.failures >= self.unhealthy_after:
+                log.warning("prefixgate: %s failed %d health checks in a row", self.url, health.failures)
+                health.alive = False
+        for listener in list(health.listeners):
+            try:
+                listener(health.alive)
+            except Exception:  # a listener's failure must not stop the checks
+                log.exception("prefixgate: a health listener of %s failed", self.url)
+        return ok
+
+    async def _watch(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.metrics_interval)
+            await self.check()
+
+    async def close(self) -> None:
+        """Stops watching the server and closes every connection (streams in flight end with
+        ``EngineDead``). Idempotent. The server keeps running."""
+        self._closed = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+            self._monitor = None
+        await self._client.aclose()
+        if isinstance(self._tokenizer, RemoteTokenizer):
+            self._tokenizer.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "healthy" if self._health.alive else "unhealthy"
+        return (f"RemoteVllm({self.url!r}, model={self._model!r}, block_size={self._block_size}, "
+                f"num_blocks={self._num_blocks}, {state}, live={len(self._live)})")

