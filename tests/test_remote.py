@@ -189,3 +189,68 @@ async def test_a_killed_server_is_taken_out_and_back_once_it_restarts(servers, e
         later = [gw.generate(f"fresh {i} " + prose(rng, 3), params()) for i in range(6)]
         await asyncio.gather(*(drain(s) for s in later))
         assert gw.statistics().replicas[1].placed > placed
+
+
+# -- the wire, without a server ----------------------------------------------------------------
+
+EXPOSITION = """\
+# HELP vllm:kv_cache_usage_perc KV-cache usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 640.0
+vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e+09
+vllm:num_preemptions_total{engine="0",model_name="m"} 2.0
+vllm:iteration_tokens_total_count{engine="0",model_name="m"} 57.0
+vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="m"} 3.0
+vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_blocks="9000",x="\\"q\\""} 1.0
+process_start_time_seconds 1.79e+09
+"""
+
+
+def test_metrics_are_read_by_name_summed_over_engines():
+    got = parse_metrics(EXPOSITION)
+    assert got["usage"] == 0.5  # the mean over engines; counts are summed
+    assert (got["running"], got["waiting"], got["queries"], got["hits"]) == (7, 1, 1000, 640)
+    assert (got["preemptions"], got["steps"], got["started"]) == (2, 57, 1.79e9)
+    assert got["cache_config"]["block_size"] == "16" and got["cache_config"]["num_gpu_blocks"] == "9000"
+    assert parse_metrics("") == {} and parse_metrics("garbage line\nvllm:num_requests_running oops") == {}
+
+
+def test_http_refusals_map_to_typed_errors():
+    from prefixgate import EngineError, Overloaded
+    from prefixgate.remote_wire import http_error
+
+    busy = http_error("r", 429, '{"error": {"message": "queue full"}}', "2.5")
+    assert isinstance(busy, Overloaded) and busy.retry_after == 2.5 and "queue full" in str(busy)
+    assert isinstance(http_error("r", 503, "down", None), Overloaded)
+    assert isinstance(http_error("r", 400, '{"error": {"message": "bad"}}', None), InvalidRequest)
+    failed = http_error("r", 500, "boom", None)
+    assert isinstance(failed, EngineError) and not isinstance(failed, InvalidRequest)
+
+
+async def test_an_unreachable_server_is_engine_dead():
+    from benchmarks.servers import free_port
+    from prefixgate import EngineDead
+
+    with pytest.raises(EngineDead, match="cannot reach"):
+        await RemoteVllm.connect(f"http://127.0.0.1:{free_port()}", timeout=2)
+
+
+def test_pulled_stats_may_be_as_old_as_a_check_may_take():
+    from prefixgate.replica import Replica
+    from prefixgate.testing import FakeEngine
+
+    remote = RemoteVllm("http://x", None, model="m", block_size=16, num_blocks=100, max_model_len=512,
+                        tokenizer=FakeEngine().tokenizer, timeout=5.0, metrics_interval=0.5)
+    assert remote.stats_max_age == 5.5
+    config = GatewayConfig()
+    assert Replica(remote, config, remote._clock).admission.stats_max_age == 5.5
+    assert Replica(FakeEngine(), config, remote._clock).admission.stats_max_age == config.stats_max_age
+    with pytest.raises(ValueError, match="metrics_interval"):
+        RemoteVllm("http://x", None, model="m", block_size=16, num_blocks=100, max_model_len=512,
+                   tokenizer=FakeEngine().tokenizer, metrics_interval=0)

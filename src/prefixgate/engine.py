@@ -250,6 +250,10 @@ class Engine(Protocol):
     # own health (a remote server: ``RemoteVllm``) and calls ``listener`` with each verdict; the
     # gateway takes the replica out while it fails and back once it passes.
 
+    # Optional: ``stats_max_age: float``: how old this engine's :meth:`kv_stats` may be before it
+    # counts as silent, when that is more than ``GatewayConfig.stats_max_age`` (stats pulled over
+    # HTTP are as fresh as the pull's timeout guarantees, not one scheduler step).
+
     def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
         """Validates ``sampling_params`` for this engine.
 

@@ -100,12 +100,13 @@ class RemoteVllm:
         clock: Timestamps KV stats.
         metrics_interval: Seconds between scrapes of ``/health`` and ``/metrics``.
         unhealthy_after: Failed checks in a row after which the server counts as unhealthy.
+        timeout: Seconds a check may take.
     """
 
     def __init__(self, url: str, client: Any, *, model: str, block_size: int, num_blocks: int,
                  max_model_len: int, tokenizer: Tokenizer, max_num_seqs: int | None = None,
                  clock: Clock | None = None, metrics_interval: float = 0.25,
-                 unhealthy_after: int = 2) -> None:
+                 unhealthy_after: int = 2, timeout: float = 10.0) -> None:
         if metrics_interval <= 0:
             raise ValueError(f"metrics_interval must be positive, got {metrics_interval!r}")
         if unhealthy_after < 1:
@@ -121,6 +122,7 @@ class RemoteVllm:
         self._clock = clock or MonotonicClock()
         self.metrics_interval = metrics_interval
         self.unhealthy_after = unhealthy_after
+        self.timeout = timeout
         self._stats: KvStats | None = None
         self._health = _Health()
         self._live: dict[str, _Live] = {}
@@ -197,8 +199,8 @@ class RemoteVllm:
                      num_blocks=max(0, int(config["num_gpu_blocks"]) - 1),
                      max_model_len=int(card.get("max_model_len") or 0) or 2 ** 31,
                      tokenizer=tokenizer, max_num_seqs=max_num_seqs, clock=clock,
-                     metrics_interval=metrics_interval, unhealthy_after=unhealthy_after)
-        engine._record(parse_metrics(metrics.text))
+                     metrics_interval=metrics_interval, unhealthy_after=unhealthy_after, timeout=timeout)
+        engine._record(parse_metrics(metrics.text), engine._clock.now())
         engine._monitor = asyncio.ensure_future(engine._watch())
         return engine
 
@@ -238,7 +240,17 @@ class RemoteVllm:
         self._health.listeners.append(listener)
 
     def kv_stats(self) -> KvStats | None:
+        """The latest scrape of ``/metrics``, timed when it was sent."""
         return self._stats
+
+    @property
+    def stats_max_age(self) -> float:
+        """How old :meth:`kv_stats` may be before the gateway takes the server for silent: a
+        check's ``timeout`` plus the interval between checks. Pulled stats are as fresh as the
+        pull: a server busy streaming may answer ``/metrics`` seconds late and still be well
+        (its KV is bounded by the gateway's ledger meanwhile); one that does not answer within
+        the timeout fails its check."""
+        return self.timeout + self.metrics_interval
 
     # -- sampling parameters --------------------------------------------------------------------
 
@@ -386,10 +398,10 @@ class RemoteVllm:
 
     # -- health and KV stats --------------------------------------------------------------------
 
-    def _record(self, sample: Mapping[str, Any]) -> None:
+    def _record(self, sample: Mapping[str, Any], sent: float) -> None:
         usage = min(1.0, max(0.0, float(sample.get("usage", 0.0))))
         self._stats = KvStats(
-            time=self._clock.now(), total_blocks=self._num_blocks,
+            time=sent, total_blocks=self._num_blocks,
             free_blocks=round((1.0 - usage) * self._num_blocks),
             running=int(sample.get("running", 0)), waiting=int(sample.get("waiting", 0)),
             prefix_queries=int(sample.get("queries", 0)), prefix_hits=int(sample.get("hits", 0)),
@@ -404,14 +416,12 @@ class RemoteVllm:
         """One health check: ``/health``, then ``/metrics`` (recorded as :meth:`kv_stats`).
         Updates :attr:`healthy` and tells the listeners; returns whether this check passed."""
         health = self._health
+        sent = self._clock.now()  # the server's state is at least this fresh once it answers
         try:
-            reply = await self._client.get("/health")
-            ok = bool(reply.status_code == 200)
+            reply, metrics = await asyncio.gather(self._client.get("/health"), self._client.get("/metrics"))
+            ok = bool(reply.status_code == 200 and metrics.status_code == 200)
             if ok:
-                metrics = await self._client.get("/metrics")
-                ok = bool(metrics.status_code == 200)
-                if ok:
-                    self._record(parse_metrics(metrics.text))
+                self._record(parse_metrics(metrics.text), sent)
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -66,7 +66,8 @@ class Replica:
             output_reserve=config.output_reserve,
             default_output_tokens=config.default_output_tokens,
             watermark_blocks=int(engine.num_blocks * config.kv_watermark),
-            stats_max_age=config.stats_max_age, kv_stats=engine.kv_stats, clock=clock,
+            stats_max_age=max(config.stats_max_age, getattr(engine, "stats_max_age", 0.0) or 0.0),
+            kv_stats=engine.kv_stats, clock=clock,
             max_model_len=engine.max_model_len,
             loop_lag=self.loop_lag.lag_since if isinstance(clock, MonotonicClock) else None)
         self.slots: int | None = engine_slots(engine)
