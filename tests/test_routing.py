@@ -121,6 +121,19 @@ def test_cost_follows_the_mirror_and_keeps_a_new_prefix_together_before_its_firs
     assert policy.place(ticket([3] * 16 + [5, 5, 5, 5]), states) != 2
 
 
+def test_bounded_cost_leaves_a_replica_at_its_load_bound_whatever_it_holds():
+    states = replicas(3)
+    cached = ticket([3] * 16 + [1, 1, 1, 1])
+    states[2].mirror.insert(cached.block_hashes[:4])
+    states[2].load = 5  # the bound with epsilon 0.1, margin 1: ceil(1.1 * 6 / 3) + 1 = 4
+    hot = ticket([3] * 16 + [2, 2, 2, 2], "x")
+    assert CostPlacement(route_prefix_tokens=16).place(hot, states) == 2  # unbounded: the hit
+    bounded = CostPlacement(route_prefix_tokens=16, epsilon=0.1, margin=1)
+    assert bounded.place(hot, states) != 2
+    states[2].load = 2  # the bound: ceil(1.1 * 3 / 3) + 1 = 3
+    assert bounded.place(hot, states) == 2  # under its bound again: the hit wins
+
+
 def test_prefix_key_depth_and_short_prompts():
     long = ticket(list(range(1, 41)))
     assert prefix_key(long, 16, 4) == long.block_hashes[3]
