@@ -28,7 +28,10 @@ per replica), and the pair's hit rate against one gateway's given the whole trac
 Metrics: hit rate (engine-reported cached tokens over prompt tokens), computed prefill tokens,
 req/s (requests over the virtual makespan), and load imbalance: each replica's time-averaged
 number of requests in flight on it (placed and not finished: by Little's law the sum of their
-times in flight over the makespan, which is sampling it continuously), max over mean. The
+times in flight over the makespan, which is sampling it continuously), max over mean; and the
+engine-side imbalance (column ``engine``): each engine's own running + waiting requests, from its
+latest stats sampled every 2 ms (virtual) or 20 ms (real), time-averaged, max over mean (the
+gateway's queue for a replica is not in it). The
 ceiling is ``benchmarks.ceiling``'s H* (an unbounded cache in the best order; here the replicas'
 KV together holds the working set, so it is also the single big cache's).
 
@@ -220,6 +223,24 @@ async def _loop_lag(stop: asyncio.Event, out: list[float]) -> None:
         out.append(time.perf_counter() - t - 0.01)
 
 
+async def _sample_engines(engines: Sequence[Any], clock: Any, stop: asyncio.Event, dt: float,
+                          out: list[list[int]]) -> None:
+    """Every ``dt`` on ``clock``, each engine's requests in flight inside it (running + waiting,
+    from its latest stats) until ``stop`` is set."""
+    while not stop.is_set():
+        row = []
+        for e in engines:
+            stats = e.kv_stats()
+            row.append(0 if stats is None else stats.running + stats.waiting)
+        out.append(row)
+        await clock.sleep(dt)
+
+
+def _imbalance(loads: Sequence[float]) -> float | None:
+    mean = statistics.fmean(loads) if loads else 0.0
+    return max(loads) / mean if mean else None
+
+
 async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[str, Any]:
     """One arm of one case on ``pool``'s engines; its metrics (requests that fail are counted
     and their errors kept, not raised)."""
@@ -240,6 +261,9 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
     results: list[Any] = []
     wall0 = time.perf_counter()
     tag = f"{arm.replace(' ', '_')}-s{seed}"
+    samples: list[list[int]] = []
+    dt = 0.002 if pool.kind == "sim" else 0.02
+    sampler = asyncio.ensure_future(_sample_engines(engines, clock, stop, dt, samples))
 
     if arm == "RR":
         async def bare(n: int, i: int, req: Any) -> None:
@@ -254,6 +278,7 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
             results.append(last)
 
         await asyncio.gather(*(bare(n, i, req) for n, (i, req) in enumerate(requests)))
+        sampler.cancel()  # before anything else waits: on a virtual clock its timers move time
     else:
         recorder = _Recorder(make_placement(PLACEMENT[arm]))
         async with Gateway(engines, GatewayConfig(placement=recorder), clock=clock) as gw:
@@ -268,9 +293,11 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
                 results.append(last)
 
             await asyncio.gather(*(through(i, req) for i, req in requests))
+            sampler.cancel()
             gw_stats = gw.statistics()
     makespan = clock.now() - start
     stop.set()
+    sampler.cancel()
     if lagger is not None:
         await lagger
     if errors:
@@ -284,6 +311,8 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
             "makespan_s": makespan,
             "hit_rate": cached / prompt, "prompt_tokens": prompt, "computed_prefill_tokens": prompt - cached,
             "imbalance": max(load) / mean if mean else None, "placed": [len(s) for s in spans.values()],
+            "engine_imbalance": _imbalance([statistics.fmean(col) for col in zip(*samples, strict=True)]
+                                           if samples else []),
             "errors": dict(errors), "loop_lag_max_s": max(lag, default=None),
             "wall_s": time.perf_counter() - wall0}
 
@@ -366,7 +395,8 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
             for arm in pairs_raw:
                 pairs_raw[arm].append(await run_pair(trace, engines, PLACEMENT[arm], seed))
     med = {a: {k: statistics.median(r[k] for r in rs if r[k] is not None) for k in
-               ("req_per_s", "hit_rate", "computed_prefill_tokens", "imbalance")} for a, rs in runs.items()}
+               ("req_per_s", "hit_rate", "computed_prefill_tokens", "imbalance", "engine_imbalance")}
+           for a, rs in runs.items()}
     pairs: dict[str, Any] = {}
     for arm, got in pairs_raw.items():
         if got:
@@ -384,14 +414,15 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
 def format_table(cases: Sequence[dict[str, Any]]) -> str:
     """Per case and arm: req/s, ×RR, hit rate, ×ceiling, computed prefill, imbalance."""
     lines = [f"{'replicas':>8} {'popularity':<10} {'arm':<7} {'req/s':>9} {'xRR':>6} {'hit':>6} "
-             f"{'xH*':>6} {'prefill':>11} {'imbal':>6}"]
+             f"{'xH*':>6} {'prefill':>11} {'imbal':>6} {'engine':>6}"]
     for c in cases:
         for arm, m in c["medians"].items():
             r = c["ratios"][arm]
             lines.append(f"{c['replicas']:>8} {c['popularity']:<10} {arm:<7} {m['req_per_s']:>9.1f} "
                          f"{r['req_per_s_vs_RR']:>6.2f} {m['hit_rate']:>6.3f} "
                          f"{r['hit_rate_vs_ceiling']:>6.2f} "
-                         f"{m['computed_prefill_tokens']:>11.0f} {m['imbalance']:>6.2f}")
+                         f"{m['computed_prefill_tokens']:>11.0f} {m['imbalance']:>6.2f} "
+                         f"{m['engine_imbalance']:>6.2f}")
         lines.append(f"{'':>8} {'':<10} {'H*':<7} {'':>9} {'':>6} {c['ceiling_hit_rate']:>6.3f}")
         for arm, pr in c.get("pairs", {}).items():
             lines.append(f"{'':>8} {'':<10} two gateways ({arm}): hit {pr['hit_rate']:.3f} "

@@ -115,6 +115,25 @@ async def test_two_servers_each_group_on_one_server_with_exact_predictions(engin
     assert cached >= sum(s.cached_tokens for s in streams)
 
 
+async def test_chat_messages_render_here_and_hit_on_the_server(engines):
+    from prefixgate.keys import cacheable_blocks
+
+    system = {"role": "system", "content": prose(random.Random(5), 30)}
+    async with Gateway(engines[0]) as gw:
+        first = gw.generate([system, {"role": "user", "content": "hi"}], params())
+        await drain(first)
+        noisy = {"role": "system", "content": system["content"].replace(" ", "  ", 3)}
+        second = gw.generate([noisy, {"role": "user", "content": "bye"}], params())
+        last = None
+        async for out in second:
+            last = out
+    expected = engines[0].tokenizer.apply_chat_template(
+        [system, {"role": "user", "content": "bye"}], tokenize=False, add_generation_prompt=True)
+    assert list(last.prompt_token_ids) == engines[0].tokenizer.encode(expected, add_special_tokens=False)
+    assert second.ticket.canonicalized and second.cached_tokens == second.predicted_hit_tokens
+    assert second.cached_tokens == 128 * cacheable_blocks(len(first.ticket.prompt_token_ids), 128)
+
+
 async def test_cancelling_a_stream_aborts_it_on_the_server(engines):
     e = engines[0]
     async with Gateway(e) as gw:
