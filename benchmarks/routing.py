@@ -245,7 +245,6 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
     """One arm of one case on ``pool``'s engines; its metrics (requests that fail are counted
     and their errors kept, not raised)."""
     from prefixgate import Gateway, GatewayConfig
-    from prefixgate.placement import make_placement
 
     engines, clock = await pool.get()
     errors: collections.Counter[str] = collections.Counter()
@@ -280,7 +279,7 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
         await asyncio.gather(*(bare(n, i, req) for n, (i, req) in enumerate(requests)))
         sampler.cancel()  # before anything else waits: on a virtual clock its timers move time
     else:
-        recorder = _Recorder(make_placement(PLACEMENT[arm]))
+        recorder = _Recorder(_policy(arm))
         async with Gateway(engines, GatewayConfig(placement=recorder), clock=clock) as gw:
             async def through(i: int, req: Any) -> None:
                 rid = f"{tag}-{i}"
@@ -317,16 +316,28 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
             "wall_s": time.perf_counter() - wall0}
 
 
-async def run_pair(trace: Any, pool: Replicas, placement: str = "cost", seed: int = 0) -> dict[str, Any]:
+COST_OPTIONS: dict[str, Any] = {}
+"""``CostPlacement`` options for the ``L`` arm (``--cost-epsilon``, ``--cost-request-tokens``)."""
+
+
+def _policy(arm: str) -> Any:
+    """A fresh placement policy for ``arm`` (``L`` with :data:`COST_OPTIONS`)."""
+    from prefixgate.placement import CostPlacement, make_placement
+
+    if arm == "L" and COST_OPTIONS:
+        return CostPlacement(**COST_OPTIONS)
+    return make_placement(PLACEMENT[arm])
+
+
+async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0) -> dict[str, Any]:
     """Two independent gateways over the same engines, each sent every other request of the
     (shuffled) trace at once: where each put each prefix group, and the hit rate of the pair."""
     from prefixgate import Gateway, GatewayConfig
-    from prefixgate.placement import make_placement
 
     engines, clock = await pool.get()
     requests = list(enumerate(trace.requests))
     random.Random(seed).shuffle(requests)
-    recorders = [_Recorder(make_placement(placement)), _Recorder(make_placement(placement))]
+    recorders = [_Recorder(_policy(arm)), _Recorder(_policy(arm))]
     where: dict[int, list[collections.Counter[int]]] = collections.defaultdict(
         lambda: [collections.Counter(), collections.Counter()])
     outs: list[Any] = []
@@ -336,7 +347,7 @@ async def run_pair(trace: Any, pool: Replicas, placement: str = "cost", seed: in
             Gateway(engines, GatewayConfig(placement=recorders[1]), clock=clock) as b:
         async def through(k: int, i: int, req: Any) -> None:
             side = k % 2
-            gw, rid = (a, b)[side], f"pair-{placement}-s{seed}-g{side}-{i}"
+            gw, rid = (a, b)[side], f"pair-{arm.replace(' ', '_')}-s{seed}-g{side}-{i}"
             try:
                 outs.append(await _drain(gw.generate(req.prompt, pool.params(req.max_tokens),
                                                      request_id=rid)))
@@ -355,7 +366,7 @@ async def run_pair(trace: Any, pool: Replicas, placement: str = "cost", seed: in
     modal = [max((ca + cb).values()) / sum((ca + cb).values()) for ca, cb in both]
     sizes = [sum((ca + cb).values()) for ca, cb in both]
     if errors:
-        print(f"pair ({placement}): {sum(errors.values())} requests failed: {dict(errors)}", flush=True)
+        print(f"pair ({arm}): {sum(errors.values())} requests failed: {dict(errors)}", flush=True)
     return {"hit_rate": cached / prompt, "req_per_s": len(outs) / (clock.now() - start),
             "errors": sum(errors.values()), "groups_seen_by_both": len(both),
             "agreement": sum(o * n for o, n in zip(overlap, sizes, strict=True)) / sum(sizes),
@@ -393,7 +404,7 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
                       f"loop lag max {r['loop_lag_max_s']}", flush=True)
         if pair:
             for arm in pairs_raw:
-                pairs_raw[arm].append(await run_pair(trace, engines, PLACEMENT[arm], seed))
+                pairs_raw[arm].append(await run_pair(trace, engines, arm, seed))
     med = {a: {k: statistics.median(r[k] for r in rs if r[k] is not None) for k in
                ("req_per_s", "hit_rate", "computed_prefill_tokens", "imbalance", "engine_imbalance")}
            for a, rs in runs.items()}
@@ -516,7 +527,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokenizer", type=Path, default=ROOT / "tests" / "fixtures" / "tiny-llama")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
+    p.add_argument("--cost-epsilon", type=float, default=None,
+                   help="L: CostPlacement(epsilon=...), loads bounded as consistent_hash bounds them")
+    p.add_argument("--cost-request-tokens", type=int, default=None,
+                   help="L: CostPlacement(request_tokens=...), what a request in flight counts for")
     args = p.parse_args(argv)
+    COST_OPTIONS.clear()
+    if args.cost_epsilon is not None:
+        COST_OPTIONS["epsilon"] = args.cost_epsilon
+    if args.cost_request_tokens is not None:
+        COST_OPTIONS["request_tokens"] = args.cost_request_tokens
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))

@@ -134,6 +134,19 @@ def test_bounded_cost_leaves_a_replica_at_its_load_bound_whatever_it_holds():
     assert bounded.place(hot, states) == 2  # under its bound again: the hit wins
 
 
+def test_cost_can_count_requests_in_flight_not_only_their_uncached_tokens():
+    states = replicas(2)
+    cached = ticket([3] * 16 + [1, 1, 1, 1])
+    states[1].mirror.insert(cached.block_hashes[:4])
+    states[1].load = 100  # a hundred requests that hit everything: no uncached tokens pending
+    hot = ticket([3] * 16 + [2, 2, 2, 2], "x")
+    assert CostPlacement(route_prefix_tokens=16).place(hot, states) == 1
+    # 100 requests x 8 tokens x weight 0.1 = 80 > the 16 tokens the hit saves: the other replica
+    assert CostPlacement(route_prefix_tokens=16, request_tokens=8).place(hot, states) == 0
+    with pytest.raises(ValueError, match="request_tokens"):
+        CostPlacement(request_tokens=-1)
+
+
 def test_prefix_key_depth_and_short_prompts():
     long = ticket(list(range(1, 41)))
     assert prefix_key(long, 16, 4) == long.block_hashes[3]
