@@ -134,6 +134,22 @@ async def test_chat_messages_render_here_and_hit_on_the_server(engines):
     assert second.cached_tokens == 128 * cacheable_blocks(len(first.ticket.prompt_token_ids), 128)
 
 
+async def test_the_servers_tokenize_endpoint_tokenizes_as_the_local_copy(servers, engines):
+    from prefixgate.remote_wire import RemoteTokenizer
+
+    remote = RemoteTokenizer(servers.urls[0], engines[0].model_name)
+    try:
+        text = prose(random.Random(2), 5) + "\n  trailing  "
+        assert remote.encode(text) == engines[0].tokenizer.encode(text)
+        assert remote.encode(text, add_special_tokens=False) == engines[0].tokenizer.encode(
+            text, add_special_tokens=False)
+        with pytest.raises(InvalidRequest, match="local"):
+            remote.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                       add_generation_prompt=True)
+    finally:
+        remote.close()
+
+
 async def test_cancelling_a_stream_aborts_it_on_the_server(engines):
     e = engines[0]
     async with Gateway(e) as gw:
