@@ -68,6 +68,9 @@ class VllmServers:
         start_timeout: Seconds every server gets to answer ``/health``.
         sequential: Start each server once the one before answers (GPU servers sharing a device:
             vLLM sizes its KV from the memory free when it starts).
+        served_model_name: The name the servers serve the model as (``--served-model-name``);
+            the model directory's name by default, so that block keys, which the model name
+            namespaces, do not depend on where the checkout lives.
 
     Attributes:
         urls: Each server's base URL, in order.
@@ -76,7 +79,8 @@ class VllmServers:
 
     def __init__(self, n: int, model: str | Path, *, num_blocks: int | None = None,
                  max_model_len: int = 4096, extra_args: Sequence[str] = (), cpu: bool = True,
-                 start_timeout: float = 300.0, sequential: bool = False) -> None:
+                 start_timeout: float = 300.0, sequential: bool = False,
+                 served_model_name: str | None = None) -> None:
         self.n = n
         self.model = str(model)
         self.num_blocks = num_blocks
@@ -85,6 +89,7 @@ class VllmServers:
         self.cpu = cpu
         self.start_timeout = start_timeout
         self.sequential = sequential
+        self.served_model_name = served_model_name or Path(self.model).name
         self.urls: list[str] = []
         self.logs: list[Path] = []
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -94,6 +99,7 @@ class VllmServers:
     def command(self, port: int) -> list[str]:
         """The command line of the server on ``port``."""
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--served-model-name", self.served_model_name,
                "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
                "--enable-prefix-caching", "--enable-prompt-tokens-details",
                "--max-model-len", str(self.max_model_len), "--disable-uvicorn-access-log"]
