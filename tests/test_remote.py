@@ -276,6 +276,20 @@ async def test_an_unreachable_server_is_engine_dead():
         await RemoteVllm.connect(f"http://127.0.0.1:{free_port()}", timeout=2)
 
 
+def test_a_replica_that_comes_back_starts_with_an_empty_mirror_that_everyone_still_reads():
+    from prefixgate import EngineDead, MonotonicClock
+    from prefixgate.replica import Replica
+    from prefixgate.testing import FakeEngine
+
+    replica = Replica(FakeEngine(), GatewayConfig(), MonotonicClock())
+    mirror = replica.mirror
+    mirror.insert([1, 2, 3])
+    assert not replica.revive()  # alive: nothing to do
+    replica.mark_dead(EngineDead("gone"))
+    assert replica.revive() and replica.dead is None
+    assert replica.mirror is mirror and len(mirror) == 0  # the same object, emptied
+
+
 def test_pulled_stats_may_be_as_old_as_a_check_may_take():
     from prefixgate.replica import Replica
     from prefixgate.testing import FakeEngine

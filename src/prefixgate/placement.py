@@ -259,7 +259,7 @@ class CostPlacement:
             only uncached tokens count.
 
     Raises:
-        ValueError: If ``weight`` < 0 or ``route_prefix_tokens`` < 1.
+        ValueError: If ``weight`` < 0, ``request_tokens`` < 0 or ``route_prefix_tokens`` < 1.
     """
 
     def __init__(self, *, weight: float = 0.1, route_prefix_tokens: int = 256,

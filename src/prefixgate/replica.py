@@ -102,7 +102,7 @@ class Replica:
         if self.dead is None:
             return False
         self.dead = None
-        self.mirror = PrefixMirror(self.engine.num_blocks)
+        self.mirror.clear()  # in place: the scheduler and placement read this same mirror
         return True
 
     def watch(self, running: Collection[Ticket],

@@ -87,8 +87,11 @@ class Router:
         """Marks dead replicas out of placement; whether any replica is alive."""
         alive = False
         for unit in self.units:
-            unit.state.alive = unit.replica.dead is None
-            alive = alive or unit.state.alive
+            now = unit.replica.dead is None
+            if now and not unit.state.alive:  # back (a remote server): what was placed there is gone
+                unit.state.placed_chains.clear()
+            unit.state.alive = now
+            alive = alive or now
         return alive
 
     def check_open(self) -> None:
