@@ -10,6 +10,7 @@ that dies is taken out (what was queued for it completes on the other) and back 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 
 import pytest
@@ -187,10 +188,27 @@ async def test_a_vllm_sampling_params_object_goes_over_http(engines):
 
     async with Gateway(engines[0]) as gw:
         stream = gw.generate("hello there", SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))
-        last = None
-        async for out in stream:
-            last = out
-    assert last is not None and last.finished and len(last.outputs[0].token_ids) == 7
+        outs = [out async for out in stream]
+    last = outs[-1]
+    assert last.finished and len(last.outputs[0].token_ids) == 7 and not any(o.finished for o in outs[:-1])
+    # cumulative, as vLLM's default outputs: each output holds everything so far
+    ids = [o.outputs[0].token_ids for o in outs]
+    assert all(later[: len(earlier)] == earlier and len(later) >= len(earlier)
+               for earlier, later in itertools.pairwise(ids))
+    assert all(last.outputs[0].text.startswith(o.outputs[0].text) for o in outs)
+
+
+def test_each_output_is_a_view_of_the_stream_so_far():
+    from prefixgate.remote_wire import RemoteCompletion
+
+    ids, parts = [1], ["a"]
+    first = RemoteCompletion(ids, parts)
+    ids.append(2)
+    parts.append("b")
+    last = RemoteCompletion(ids, parts, "stop")
+    assert (first.token_ids, first.text, first.finish_reason) == ((1,), "a", None)
+    assert (last.token_ids, last.text, last.finish_reason) == ((1, 2), "ab", "stop")
+    assert first == RemoteCompletion([1], ["a"]) and first != last and "1 ids" in repr(first)
 
 
 async def test_a_killed_server_is_taken_out_and_back_once_it_restarts(servers, engines):

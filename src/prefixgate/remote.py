@@ -343,6 +343,9 @@ class RemoteVllm:
         try:
             async with self._client.stream("POST", "/v1/completions", json=body) as response:
                 live.response = response
+                if live.aborted:  # aborted before the server answered: closing the stream ends it
+                    yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text, "abort"),), True, cached)
+                    return
                 if response.status_code != 200:
                     raise http_error(rid, response.status_code, (await response.aread()).decode(
                         "utf-8", "replace"), response.headers.get("retry-after"))
@@ -365,18 +368,15 @@ class RemoteVllm:
                         reason = choice.get("finish_reason") or reason
                         if reason is None:
                             started = True
-                            yield RemoteOutput(rid, prompt, (RemoteCompletion(tuple(ids), "".join(text)),),
-                                               False)
+                            yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text),), False)
             if reason is None:
                 raise EngineError(f"{self.url} ended {rid}'s stream without a finish reason")
-            yield RemoteOutput(rid, prompt, (RemoteCompletion(tuple(ids), "".join(text), reason),),
-                               True, cached)
+            yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text, reason),), True, cached)
         except PrefixgateError:
             raise
         except (httpx.HTTPError, OSError) as e:
             if live.aborted:
-                yield RemoteOutput(rid, prompt, (RemoteCompletion(tuple(ids), "".join(text), "abort"),),
-                                   True, cached)
+                yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text, "abort"),), True, cached)
                 return
             if isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
                 raise EngineError(f"{self.url} timed out on {rid}: {type(e).__name__}") from e
@@ -392,9 +392,10 @@ class RemoteVllm:
         """Closes ``request_id``'s stream (vLLM aborts a request whose client is gone); its
         stream ends with an aborted last output. A no-op for unknown or finished ids."""
         live = self._live.get(request_id)
-        if live is not None and live.response is not None:
-            live.aborted = True
-            await live.response.aclose()
+        if live is not None:
+            live.aborted = True  # before the server answers: the stream ends as soon as it does
+            if live.response is not None:
+                await live.response.aclose()
 
     # -- health and KV stats --------------------------------------------------------------------
 

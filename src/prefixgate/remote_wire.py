@@ -30,19 +30,45 @@ SAMPLING_FIELDS = frozenset({
 })
 """The ``/v1/completions`` body fields a request's sampling parameters may set."""
 
-@dataclass(frozen=True, slots=True)
 class RemoteCompletion:
     """One completion of a :class:`RemoteOutput`, shaped like vLLM's ``CompletionOutput``.
 
+    Cumulative, as vLLM's default outputs are, but without copying per output: each one is a
+    view of how far the request's growing token and text lists had got, made into a tuple or a
+    string only when read (a 2,000-token stream would otherwise copy a million ids).
+
     Attributes:
-        token_ids: Every output token id so far (cumulative).
-        text: Every output character so far (cumulative).
+        token_ids: Every output token id so far.
+        text: Every output character so far.
         finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ... on the last output, else ``None``.
     """
 
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None
+    __slots__ = ("_ids", "_k", "_n", "_parts", "finish_reason")
+
+    def __init__(self, ids: list[int], parts: list[str], finish_reason: str | None = None) -> None:
+        self._ids, self._n = ids, len(ids)
+        self._parts, self._k = parts, len(parts)
+        self.finish_reason = finish_reason
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self._ids[: self._n])
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts[: self._k])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RemoteCompletion):
+            return NotImplemented
+        return (self.token_ids, self.text, self.finish_reason) == (other.token_ids, other.text,
+                                                                    other.finish_reason)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"RemoteCompletion(token_ids=<{self._n} ids>, text={self.text[:40]!r}, "
+                f"finish_reason={self.finish_reason!r})")
 
 
 @dataclass(frozen=True, slots=True)
