@@ -452,6 +452,34 @@ def keep_off_worker_cores() -> set[int] | None:
     return rest
 
 
+def engine_core_pid() -> int | None:
+    """The pid of vLLM's engine core process below this one (``VLLM::EngineCore``), or ``None``."""
+    if not os.path.isdir("/proc"):
+        return None
+    for pid in _descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if "EngineCor" in f.read():
+                    return pid
+        except OSError:
+            continue
+    return None
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds the live threads of process ``pid`` have run, from each thread's
+    ``/proc/<pid>/task/<tid>/schedstat`` (nanoseconds; ``/proc/<pid>/stat`` counts 10 ms ticks,
+    too coarse for a few steps). Raises ``OSError`` if the process is gone."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
+
+
 def release_cores() -> None:
     """Undoes :func:`keep_off_worker_cores` for this process and the processes it moved that are
     still alive (before it starts another engine, whose processes inherit its affinity)."""

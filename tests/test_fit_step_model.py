@@ -24,12 +24,14 @@ from benchmarks.fit_step_model import (
     calibration_steps,
     fit,
     fit_loop_cost,
+    measure_engine_core,
     measure_loop_stretch,
     measure_shared,
+    measure_text_cost,
     report,
     run_calibration,
 )
-from prefixgate.sim import LoopCost, LoopServer, SimClock, SimEngine, StepTimeModel
+from prefixgate.sim import LoopCost, LoopServer, SharedCore, SimClock, SimEngine, StepTimeModel
 from prefixgate.testing import ByteTokenizer, FakeSamplingParams
 
 COEFFICIENTS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota")
@@ -123,7 +125,8 @@ def test_loop_costs_come_apart_into_per_request_per_output_per_token_and_the_gat
              ("gateway", 1, 1, 71.0), ("gateway", 16, 9, 71.0), ("gateway", 1, 1, 2090.0))
     phases = [phase(path, k, n, t) for path, k, n, t in kinds]
     text = [phase("text", 1, 1, 70.0), phase("text", 1, 1, 2100.0)]
-    fitted = {k: v for k, v in dataclasses.asdict(want).items() if isinstance(v, float)}
+    fitted = {k: v for k, v in dataclasses.asdict(want).items()
+              if isinstance(v, float) and k not in ("char_part", "text_chars")}  # measure_text_cost's
     # With text floods, prompt_token is their excess over bare; the ingress thread's cost is the
     # gateway floods' CPU outside the loop's thread (their number is set, not fitted).
     got = fit_loop_cost((phases + text) * 3, alone)
@@ -306,6 +309,56 @@ async def test_warming_batch_shapes_runs_one_step_of_every_size_once() -> None:
     await warm_batch_shapes(sim, FakeSamplingParams, 40)
     assert sorted(size for size in sizes if size) == list(range(1, 41))
 
+
+
+@pytest.mark.parametrize("per_char", [0.0, 2e-7])
+def test_measure_text_cost_reads_back_a_cost_that_goes_with_characters(per_char: float) -> None:
+    # A tokenizer of words whose time is 1 us a token plus `per_char` a character, on a clock
+    # that only it moves: the two styles' costs per token give the character part back.
+    spent = [0.0]
+
+    class Words:
+        def encode(self, text: str, **_: object) -> list[int]:
+            ids = [len(w) for w in text.split()]
+            spent[0] += 1e-6 * len(ids) + per_char * len(text)
+            return ids
+
+    got = measure_text_cost(Words(), texts=4, words=300, rounds=2, cpu=lambda: spent[0])
+    expected = per_char * got["text_chars"] / (1e-6 + per_char * got["text_chars"])
+    assert got["char_part"] == pytest.approx(expected, abs=1e-9)
+    assert got["prose_chars"] != pytest.approx(got["text_chars"], rel=0.02)  # two styles to fit through
+    cost = LoopCost(char_part=got["char_part"], text_chars=got["text_chars"])
+    assert cost.text_scale(round(got["text_chars"] * 1000), 1000) == pytest.approx(1.0, rel=1e-3)
+    prose = cost.text_scale(round(got["prose_chars"] * 1000), 1000)
+    assert prose == pytest.approx(got["prose_token_s"] / got["mixed_token_s"], rel=1e-3)
+
+
+@pytest.mark.parametrize(("step", "seq", "token", "prefill", "wait"),
+                         [(6e-4, 1e-5, 1e-7, 5e-8, 3e-3), (1e-3, 0.0, 2e-7, 0.0, 0.0)])
+async def test_measure_engine_core_recovers_the_simulators_engine_core(step: float, seq: float, token: float,
+                                                                       prefill: float, wait: float) -> None:
+    # The fitter is tested, not the machine: the simulator's engine core runs its own work on the
+    # core it shares with a loop that the measurement keeps busy (30 ms at a time, so the loop
+    # almost always has more queued than the engine core waits), and the measurement must read
+    # its CPU terms back from that thread's CPU seconds and its wait from the steps' stretch.
+    records: list[StepRecord] = []
+    sim = SimEngine(block_size=16, num_blocks=4096, max_model_len=4096, max_num_batched_tokens=2048,
+                    step_time=StepTimeModel(alpha=0.002, beta=4e-6, gamma=5e-5, eta=3e-7, shared_step=step,
+                                            core_seq=seq, core_token=token, core_prefill=prefill,
+                                            core_wait=wait),
+                    on_step=lambda _t, seconds, plan: records.append(StepRecord(seconds, plan.prefill_tokens,
+                                                                                plan.decode_seqs)))
+    core = SharedCore(sim.clock)
+    sim.core_thread, loop = core.thread(), core.thread()
+    got, phases = await measure_engine_core(sim, FakeSamplingParams, lambda: loop.spend(0.030), vocab=3000,
+                                            records=records, core_cpu=lambda: sim.core_thread.busy_seconds,
+                                            settle=0.0, now=sim.clock.now)
+    assert got["shared_step"] == pytest.approx(step, rel=0.02)
+    assert got["core_seq"] == pytest.approx(seq, rel=0.02, abs=1e-9)
+    assert got["core_token"] == pytest.approx(token, rel=0.02, abs=1e-11)
+    assert got["core_prefill"] == pytest.approx(prefill, rel=0.02, abs=1e-11)
+    assert got["core_wait"] == pytest.approx(wait, rel=0.1, abs=1e-5)
+    assert len(phases) == 16 and all(p["steps"] for p in phases)
 
 
 @pytest.mark.parametrize("shared", [0.0, 0.3, 0.8])

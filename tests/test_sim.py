@@ -584,6 +584,37 @@ async def test_the_engine_cores_part_of_a_step_takes_turns_with_the_frontend_on_
     assert busy == pytest.approx(1.0 - 0.012)
 
 
+async def test_the_engine_core_waits_for_its_core_only_while_the_frontend_has_work_there():
+    from prefixgate.sim import SharedCore
+
+    async def step_seconds(loop_work: float, **terms: float) -> list[float]:
+        seconds: list[float] = []
+        sim = SimEngine(block_size=16, num_blocks=64, max_model_len=256,
+                        step_time=StepTimeModel(alpha=0.010, beta=0.0, gamma=0.0, **terms),
+                        on_step=lambda _t, s, _p: seconds.append(s))
+        core = SharedCore(sim.clock)
+        sim.core_thread, loop = core.thread(), core.thread()
+        work = asyncio.ensure_future(loop.spend(loop_work))
+        await sim.clock.sleep(0)
+        await collect(sim, "r", [1, 2, 3], max_tokens=3)
+        await work
+        return seconds
+
+    terms = {"shared_step": 0.002, "core_wait": 0.003}
+    assert await step_seconds(0.0, **terms) == pytest.approx([0.010] * 3)
+    # Busy throughout: 2 ms of its own at half speed, 8 ms of the worker's, then 3 ms for the core.
+    assert await step_seconds(1.0, **terms) == pytest.approx([0.015] * 3)
+    # 5 ms of loop work: 2 of it beside the engine core's own 2 ms, the rest done alone by 7 ms,
+    # so when the worker is done at 12 ms the core is free and nothing is waited for.
+    assert await step_seconds(0.005, **terms) == pytest.approx([0.012, 0.010, 0.010])
+    # Its own work grows with the step's decoding sequences and the prompt tokens taken in.
+    busy = await step_seconds(1.0, core_seq=0.001, core_token=0.0005)
+    assert busy == pytest.approx([0.0115, 0.011, 0.011])  # 3 tokens in; then one sequence decoding
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ValueError, match="core_wait"):
+            StepTimeModel(core_wait=bad)
+
+
 async def test_the_output_processor_reads_each_steps_outputs_on_the_loop_before_the_client_sees_them():
     from prefixgate.sim import LoopServer
 

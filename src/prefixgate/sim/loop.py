@@ -62,6 +62,11 @@ class LoopCost:
         ingress_shares_loop: The ingress workers are threads on the event loop's own core (a
             frontend with one CPU): the loop and each busy worker get an equal share of it
             (:class:`SharedCore`), instead of a CPU each.
+        char_part: The part of tokenizing's cost per token (``prompt_token``, ``ingress_token``)
+            that goes with the text's characters rather than its tokens: text with more
+            characters per token than the calibration's costs more per token (prose more than
+            code and JSON). ``0``: a cost per token whatever the text.
+        text_chars: Characters per token of the text those costs were measured on.
 
     Raises:
         ValueError: If a cost is negative or not finite.
@@ -79,12 +84,27 @@ class LoopCost:
     ingress_shares_loop: bool = False
     engine_shares_loop: bool = False
     output_at_step: bool = False
+    char_part: float = 0.0
+    text_chars: float = 4.0
 
     def __post_init__(self) -> None:
         check_costs(self, ("request", "output", "request_token", "prompt_token", "gateway_request",
                            "gateway_output", "gateway_token", "ingress_token", "ingress_workers"))
+        check_costs(self, ("char_part", "text_chars"))
+        if self.char_part > 1 or self.text_chars <= 0:
+            raise ValueError(f"LoopCost.char_part must be at most 1 and text_chars positive, got "
+                             f"{self.char_part!r} and {self.text_chars!r}")
         if not isinstance(self.ingress_workers, int):
             raise ValueError(f"LoopCost.ingress_workers must be an int, got {self.ingress_workers!r}")
+
+
+    def text_scale(self, chars: int, tokens: int) -> float:
+        """How much tokenizing a text of ``chars`` characters and ``tokens`` tokens costs per
+        token, relative to ``prompt_token`` and ``ingress_token`` (1 for text like the
+        calibration's)."""
+        if not self.char_part or tokens <= 0:
+            return 1.0
+        return 1.0 - self.char_part + self.char_part * chars / tokens / self.text_chars
 
 
 class LoopServer:
@@ -215,6 +235,10 @@ class SharedCore:
         self._reschedule()
         await done
 
+    def _backlog(self, thread: CoreThread) -> float:
+        self._advance()
+        return sum(job.left for t in self._threads if t is not thread for job in t.queue)
+
     def _busy_between(self, thread: CoreThread, start: float, end: float) -> float:
         self._advance()
         segments = self._segments
@@ -244,6 +268,11 @@ class CoreThread:
         """CPU seconds it ran between ``start`` and ``end`` (up to now; its share while other
         threads ran too). Ask about intervals in order of time: older ones are forgotten."""
         return self._core._busy_between(self, start, end)
+
+    def others_backlog(self) -> float:
+        """CPU seconds of work the core's other threads have queued now (what they would run
+        before going idle, were they alone on the core)."""
+        return self._core._backlog(self)
 
     async def spend(self, seconds: float) -> None:
         """Runs ``seconds`` of CPU work after whatever this thread has queued; returns once done."""
