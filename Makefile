@@ -29,7 +29,7 @@ $(VENV)/.vllm-stamp:
 	touch $@
 
 $(VENV)/.pkg-stamp: $(VENV)/.vllm-stamp pyproject.toml
-	$(PIP) install -q -e ".[dev,bench,remote]"
+	$(PIP) install -q -e ".[dev,bench,remote,serve]"
 	touch $@
 
 $(MODEL)/config.json:

@@ -1,0 +1,196 @@
+"""``prefixgate serve``'s HTTP front on fake engines: the OpenAI shapes, error mapping, SSE,
+metrics, and cancellation when a client leaves. The real-vLLM checks are in test_serve_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefixgate import CanonicalizeConfig, FakeClock, Gateway, GatewayConfig
+from prefixgate.serve import METRICS, create_app
+from prefixgate.serve.cli import config_fields, gateway_config, parse_args
+from prefixgate.serve.testing import running, sse_data
+from prefixgate.testing import FakeEngine
+
+PROMPT = "The shared system prompt, then a question."
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+@pytest.fixture
+def engine():
+    return FakeEngine(block_size=4, max_model_len=256)
+
+
+async def test_completion_reports_usage_with_the_engines_cached_tokens(engine):
+    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw, client(create_app(gw)) as c:
+        first = await c.post("/v1/completions",
+                             json={"model": "fake-model", "prompt": PROMPT, "max_tokens": 3})
+        again = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    assert first.status_code == 200, first.text
+    body = first.json()
+    assert body["object"] == "text_completion" and body["model"] == "fake-model"
+    assert body["choices"][0]["finish_reason"] == "length"
+    n = len(PROMPT.encode())
+    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 3, "total_tokens": n + 3,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    # The second sees the first's full blocks, less the last token (always recomputed).
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 4 * 4
+    assert gw.statistics().outcomes == {"completed": 2}
+
+
+async def test_chat_streams_sse_chunks_then_usage_then_done(engine):
+    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw, client(create_app(gw)) as c:
+        r = await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "max_completion_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_data(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"prompt": PROMPT, "max_tokens": 2, "logprobs": 3}, 400, "logprobs"),   # not implemented: named
+    ({"prompt": PROMPT, "n": 2}, 400, "n"),
+    ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [PROMPT, PROMPT]}, 400, "prompt"),                         # batches
+    ({"prompt": PROMPT, "model": "other"}, 404, "model"),
+    ({"prompt": "   "}, 400, None),                                         # the gateway's InvalidRequest
+    ({"prompt": PROMPT, "temperature": 0.5}, 400, None),                    # FakeEngine takes max_tokens only
+])
+async def test_invalid_input_is_a_4xx_in_openais_error_shape(engine, body, status, param):
+    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw, client(create_app(gw)) as c:
+        r = await c.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert engine.started == []
+
+
+async def test_a_full_queue_is_a_429_with_retry_after_before_any_output(engine):
+    engine.step = asyncio.Event()  # holds every request in the engine
+    config = GatewayConfig(ingress="inline", ordering="fcfs", max_in_flight=1, max_queue_len=1)
+    async with Gateway(engine, config) as gw, client(create_app(gw, min_retry_after=0.25)) as c:
+        body = {"prompt": PROMPT, "max_tokens": 1}
+        held = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
+        while gw.statistics().queued + gw.statistics().running < 2:
+            await asyncio.sleep(0)
+        refused = await c.post("/v1/completions", json=body)
+        engine.step.set()
+        ok = await asyncio.gather(*held)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert int(refused.headers["retry-after"]) >= 1 and int(refused.headers["retry-after-ms"]) >= 250
+    assert [r.status_code for r in ok] == [200, 200]
+    assert gw.statistics().refused == {"queue_full": 1}
+
+
+async def test_shutting_down_is_a_503(engine):
+    gw = Gateway(engine, GatewayConfig(ingress="inline"))
+    async with gw, client(create_app(gw)) as c:
+        await gw.aclose()
+        r = await c.post("/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+
+
+async def test_models_health_and_ready(engine):
+    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw, client(
+            create_app(gw, model_name="tiny")) as c:
+        models = (await c.get("/v1/models")).json()
+        health, ready = await c.get("/health"), await c.get("/ready")
+        wrong = await c.post("/v1/completions", json={"prompt": PROMPT, "model": "fake-model"})
+    assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
+    assert health.status_code == ready.status_code == 200
+    assert wrong.status_code == 404
+
+
+async def test_metrics_parse_and_every_documented_metric_is_present(engine):
+    engine.step = asyncio.Event()
+    config = GatewayConfig(ingress="inline", ordering="fcfs", max_in_flight=1, max_queue_len=1)
+    async with Gateway(engine, config) as gw:
+        app = create_app(gw)
+        async with client(app) as c:
+            body = {"prompt": "Some  text  with  doubled  spaces.", "max_tokens": 1}
+            held = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
+            while gw.statistics().queued + gw.statistics().running < 2:
+                await asyncio.sleep(0)
+            assert (await c.post("/v1/completions", json=body)).status_code == 429
+            engine.step.set()
+            await asyncio.gather(*held)
+            r = await c.get("/metrics")
+    assert r.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in METRICS:
+        assert name.removesuffix("_total") in families, name
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in families.values() for s in f.samples}
+    assert samples[("prefixgate_requests_total", (("outcome", "completed"),))] == 2
+    assert samples[("prefixgate_refusals_by_reason_total", (("reason", "queue_full"),))] == 1
+    assert samples[("prefixgate_http_refused_total", (("outcome", "queue_full"),))] == 1
+    assert samples[("prefixgate_canonicalized_requests_total", (("rule", "inner_spaces"),))] == 2  # accepted
+    assert samples[("prefixgate_time_to_first_token_seconds_count", (("endpoint", "completions"),))] == 2
+    assert samples[("prefixgate_queue_wait_seconds_count", ())] == 2
+    assert samples[("prefixgate_tenant_in_flight", (("tenant", "_none"),))] == 0
+    assert samples[("prefixgate_placements_total", (("replica", "replica-0"),))] == 2
+
+
+async def wait_for(predicate) -> None:
+    """Yields to the server until ``predicate()`` holds (the per-test timeout bounds it)."""
+    while not predicate():
+        await asyncio.sleep(0.005)
+
+
+async def test_a_client_leaving_while_queued_frees_its_place_and_one_streaming_aborts():
+    clock = FakeClock()  # the engine's: each output waits one virtual second
+    engine = FakeEngine(block_size=4, max_model_len=256, clock=clock, output_time=1.0)
+    config = GatewayConfig(ingress="inline", ordering="fcfs", max_in_flight=1, max_queue_len=1)
+    async with Gateway(engine, config) as gw, running(create_app(gw)) as url, httpx.AsyncClient(
+            base_url=url, timeout=30) as c:
+        body = {"prompt": PROMPT, "max_tokens": 4, "stream": True}
+        request = c.build_request("POST", "/v1/completions", json=body)
+        opening = asyncio.create_task(c.send(request, stream=True))
+        await wait_for(lambda: len(engine.started) == 1)
+        await clock.advance(1.0)
+        streaming = await opening  # headers come with the first output
+        queued = asyncio.create_task(c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}))
+        await wait_for(lambda: gw.statistics().queued == 1)
+        queued.cancel()  # the queued client leaves: its place is free again, the engine never saw it
+        await wait_for(lambda: gw.statistics().queued == 0)
+        assert gw.statistics().outcomes == {"cancelled": 1} and len(engine.started) == 1
+        assert streaming.status_code == 200
+        await streaming.aclose()  # the streaming client leaves: its engine request is aborted
+        await wait_for(lambda: engine.aborted == engine.started[:1])
+        late = asyncio.create_task(c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}))
+        while not late.done():
+            await clock.advance(1.0)
+            await asyncio.sleep(0.005)
+    assert late.result().status_code == 200
+    assert len(engine.started) == 2 and engine.aborted == engine.started[:1]
+    assert gw.statistics().outcomes == {"cancelled": 2, "completed": 1}
+    assert gw.statistics().running == gw.statistics().queued == 0
+
+
+def test_gateway_config_from_flags_and_environment():
+    options, fields, engine_args = parse_args(
+        ["--port", "9000", "--max-queue-len", "50", "--queue-timeout", "none", "--max-model-len", "64"],
+        {"PREFIXGATE_MAX_QUEUE_LEN": "7", "PREFIXGATE_CANONICALIZE": "prose",
+         "PREFIXGATE_REPLICA": "http://a:1,http://b:2", "PREFIXGATE_ISOLATE_TENANTS": "false"})
+    assert options["port"] == 9000 and options["replica"] == ["http://a:1", "http://b:2"]
+    assert engine_args == ["--max-model-len", "64"]
+    config = gateway_config(fields)
+    assert config.max_queue_len == 50 and config.queue_timeout is None  # the flag wins
+    assert config.isolate_tenants is False and config.canonicalize == CanonicalizeConfig.named("prose")
+    assert {"max_queue_len", "ordering", "placement", "kv_budget"} <= {n for n, _, _ in config_fields()}
+    with pytest.raises(ValueError, match=r"GatewayConfig\.max_queue_len"):
+        gateway_config({"max_queue_len": "many"})
