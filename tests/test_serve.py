@@ -9,8 +9,16 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixgate import CanonicalizeConfig, FakeClock, Gateway, GatewayConfig
-from prefixgate.serve import METRICS, create_app
+from prefixgate import (
+    CanonicalizeConfig,
+    FakeClock,
+    Gateway,
+    GatewayConfig,
+    MonotonicClock,
+    QueueFull,
+    RateLimited,
+)
+from prefixgate.serve import METRICS, RetrySpread, create_app
 from prefixgate.serve.cli import config_fields, gateway_config, parse_args
 from prefixgate.serve.testing import running, sse_data
 from prefixgate.testing import FakeEngine
@@ -194,3 +202,38 @@ def test_gateway_config_from_flags_and_environment():
     assert {"max_queue_len", "ordering", "placement", "kv_budget"} <= {n for n, _, _ in config_fields()}
     with pytest.raises(ValueError, match=r"GatewayConfig\.max_queue_len"):
         gateway_config({"max_queue_len": "many"})
+
+
+async def test_retry_after_honoured_by_the_openai_client_gets_nine_in_ten_admitted():
+    """Overload through HTTP: 32 clients at once against room for 6 (2 running, 4 queued). The
+    refused get 429s whose Retry-After the openai client sleeps before retrying (5 retries)."""
+    openai = pytest.importorskip("openai")
+    engine = FakeEngine(block_size=4, max_model_len=256, clock=MonotonicClock(), output_time=0.01)
+    config = GatewayConfig(ingress="inline", ordering="fcfs", max_in_flight=2, max_queue_len=4)
+    async with Gateway(engine, config) as gw, running(create_app(gw, model_name="m")) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=5)
+
+        async def one(i: int) -> bool:
+            try:
+                await client.completions.create(model="m", prompt=f"{PROMPT} {i}", max_tokens=3)
+            except openai.RateLimitError:
+                return False
+            return True
+
+        ok = await asyncio.gather(*(one(i) for i in range(32)))
+        await client.close()
+    stats = gw.statistics()
+    assert stats.refused.get("queue_full", 0) >= 10  # it was overloaded: many 429s were sent
+    assert sum(ok) >= 0.9 * len(ok), (sum(ok), dict(stats.refused))
+    assert stats.outcomes == {"completed": sum(ok)}
+
+
+def test_retry_spread_tells_a_burst_to_come_back_one_place_apart():
+    now = [100.0]
+    spread = RetrySpread(4, max_delay=3.0, now=lambda: now[0])
+    full = QueueFull("full", retry_after=1.0, reason="queue_full")
+    assert [spread.delay(full) for _ in range(3)] == [1.0, 1.25, 1.5]
+    assert spread.delay(RateLimited("tenant", retry_after=0.5, reason="rate_limited")) == 0.5  # its own
+    assert [spread.delay(full) for _ in range(8)][-4:] == [2.75, 3.0, 3.0, 3.0]  # capped
+    now[0] = 200.0  # the horizon is past: back to the gateway's own estimate
+    assert spread.delay(full) == 1.0

@@ -6,7 +6,7 @@ own FastAPI service); ``prefixgate serve`` (:mod:`prefixgate.serve.cli`) runs it
 in-process vLLM engines or remote vLLM servers.
 """
 
-from .app import ClientDisconnected, create_app, error_response
+from .app import ClientDisconnected, RetrySpread, create_app, error_response
 from .metrics import METRICS, ServeMetrics
 
-__all__ = ("METRICS", "ClientDisconnected", "ServeMetrics", "create_app", "error_response")
+__all__ = ("METRICS", "ClientDisconnected", "RetrySpread", "ServeMetrics", "create_app", "error_response")

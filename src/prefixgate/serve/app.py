@@ -32,11 +32,13 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from ..errors import (
+    AdmissionRefused,
     EngineDead,
     Evicted,
     InvalidRequest,
     PrefixgateError,
     PromptTooLong,
+    RateLimited,
     Rejected,
     RetryableRejection,
 )
@@ -55,7 +57,7 @@ from .protocol import (
     usage,
 )
 
-__all__ = ["ClientDisconnected", "create_app", "error_response"]
+__all__ = ["ClientDisconnected", "RetrySpread", "create_app", "error_response"]
 
 T = TypeVar("T")
 
@@ -66,13 +68,16 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response started; its request was cancelled."""
 
 
-def error_response(error: PrefixgateError, *, min_retry_after: float = 0.1) -> JSONResponse:
+def error_response(error: PrefixgateError, *, min_retry_after: float = 0.1,
+                   retry_after: float | None = None) -> JSONResponse:
     """The HTTP response for a prefixgate error, in OpenAI's error shape.
 
     Args:
         error: What the gateway raised.
         min_retry_after: The least ``Retry-After`` sent with a 429, in seconds (the gateway may
             predict 0 s, which would make clients retry at once).
+        retry_after: The wait to send with a 429 instead of the error's own (see
+            :class:`RetrySpread`).
 
     Returns:
         429 (``RetryableRejection``: ``Retry-After`` in whole seconds, at least 1, and
@@ -82,7 +87,7 @@ def error_response(error: PrefixgateError, *, min_retry_after: float = 0.1) -> J
     code = error.outcome.value
     headers: dict[str, str] = {}
     if isinstance(error, RetryableRejection):
-        wait = max(error.retry_after, min_retry_after)
+        wait = max(error.retry_after if retry_after is None else retry_after, min_retry_after)
         headers = {"Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(round(wait * 1000))}
         status, kind, code = 429, "rate_limit_error", str(error.reason)
     elif isinstance(error, InvalidRequest):
@@ -94,6 +99,47 @@ def error_response(error: PrefixgateError, *, min_retry_after: float = 0.1) -> J
     else:  # EngineError, AdmissionPolicyFailed, UsageError: ours or the engine's fault
         status, kind = 500, "server_error" if not isinstance(error, Rejected) else "policy_error"
     return JSONResponse(error_body(str(error), kind, code), status_code=status, headers=headers)
+
+
+class RetrySpread:
+    """Spreads the ``Retry-After`` of refusals for shared capacity over time, so that a burst
+    of refused clients does not come back as one burst.
+
+    The gateway's ``retry_after`` for a full queue (or a full engine) is the predicted time until
+    the queue ahead drains, the same for every request refused in that moment; clients that
+    honour it would all retry at once and, but for a handful, be refused again. Here the k-th
+    refusal since the horizon was last reached is told to come back one queue-place later than
+    the one before (``retry_after / max_queue_len`` apart: the predicted drain rate). Refusals
+    that are one tenant's own (``RateLimited``, ``AdmissionRefused``) keep their exact wait.
+
+    Invariant: the horizon (the latest retry time handed out) never moves back while ahead of
+    now; it holds one float, whatever the load.
+
+    Args:
+        places: Queue places that free as the queue ahead drains (``max_queue_len``).
+        max_delay: The longest wait told (the openai client does not retry past 60 s).
+        now: The clock (monotonic seconds).
+    """
+
+    def __init__(self, places: int, *, max_delay: float = 60.0,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self.places = max(1, places)
+        self.max_delay = max_delay
+        self._now = now
+        self._horizon = 0.0
+
+    def delay(self, error: RetryableRejection) -> float:
+        """The wait to tell the client refused with ``error``."""
+        if isinstance(error, RateLimited | AdmissionRefused):
+            return error.retry_after
+        now = self._now()
+        wait = error.retry_after
+        at = min(max(now + wait, self._horizon + wait / self.places), now + self.max_delay)
+        self._horizon = at
+        return at - now
+
+    def __repr__(self) -> str:
+        return f"RetrySpread(places={self.places}, horizon={self._horizon:.3f})"
 
 
 def _bad_request(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
@@ -247,6 +293,11 @@ def create_app(gateway: Gateway, *, model_name: str | None = None,
     served = model_name or gateway.engine.model_name
     build = sampling_params or dict
     meter = metrics if metrics is not None else ServeMetrics(gateway)
+    spread = RetrySpread(gateway.config.max_queue_len)
+
+    def refusal(e: PrefixgateError) -> JSONResponse:
+        wait = spread.delay(e) if isinstance(e, RetryableRejection) else None
+        return error_response(e, min_retry_after=min_retry_after, retry_after=wait)
     state = _State()
 
     @contextlib.asynccontextmanager
@@ -327,7 +378,7 @@ def create_app(gateway: Gateway, *, model_name: str | None = None,
                 chat_template_kwargs=chat_template_kwargs))
         except PrefixgateError as e:
             meter.http_refused(e.outcome.value)
-            return error_response(e, min_retry_after=min_retry_after)
+            return refusal(e)
         except ClientDisconnected:
             meter.disconnected("before_admission")
             return Response(status_code=499)
@@ -347,7 +398,7 @@ def create_app(gateway: Gateway, *, model_name: str | None = None,
                 return Response(status_code=499)
             except PrefixgateError as e:
                 await feed.aclose()
-                return error_response(e, min_retry_after=min_retry_after)
+                return refusal(e)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}"
             created = int(time.time())
             if not body.stream:
@@ -359,7 +410,7 @@ def create_app(gateway: Gateway, *, model_name: str | None = None,
                     return Response(status_code=499)
                 except PrefixgateError as e:
                     await feed.aclose()
-                    return error_response(e, min_retry_after=min_retry_after)
+                    return refusal(e)
                 await feed.aclose()
                 done, use = _completion(last), _usage(last)
                 make = chat_response if chat else completion_response
