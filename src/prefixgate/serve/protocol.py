@@ -67,6 +67,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = 0
+    logprobs: Literal[False] | None = None  # sent as null by some clients; logprobs are not implemented
 
 
 class CompletionRequest(_Sampling):
