@@ -191,11 +191,12 @@ async def test_a_client_leaving_while_queued_frees_its_place_and_one_streaming_a
 
 def test_gateway_config_from_flags_and_environment():
     options, fields, engine_args = parse_args(
-        ["--port", "9000", "--max-queue-len", "50", "--queue-timeout", "none", "--max-model-len", "64"],
+        ["--port", "9000", "--max-queue-len", "50", "--queue-timeout", "none", "--model", "m",
+         "--max-model-len", "64"],
         {"PREFIXGATE_MAX_QUEUE_LEN": "7", "PREFIXGATE_CANONICALIZE": "prose",
          "PREFIXGATE_REPLICA": "http://a:1,http://b:2", "PREFIXGATE_ISOLATE_TENANTS": "false"})
     assert options["port"] == 9000 and options["replica"] == ["http://a:1", "http://b:2"]
-    assert engine_args == ["--max-model-len", "64"]
+    assert engine_args == ["--model", "m", "--max-model-len", "64"]  # vLLM's, not --model-name
     config = gateway_config(fields)
     assert config.max_queue_len == 50 and config.queue_timeout is None  # the flag wins
     assert config.isolate_tenants is False and config.canonicalize == CanonicalizeConfig.named("prose")

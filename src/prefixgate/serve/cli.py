@@ -72,7 +72,7 @@ def config_fields() -> list[tuple[str, Callable[[str], Any], bool]]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="prefixgate serve",
+        prog="prefixgate serve", allow_abbrev=False,  # --model is vLLM's, not our --model-name
         description="An OpenAI-compatible server in front of vLLM: in-process engines (vLLM engine "
                     "arguments pass through) or vLLM servers (--replica URL, repeatable). Every "
                     "option also reads PREFIXGATE_<NAME> from the environment.")
