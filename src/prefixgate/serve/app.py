@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from ..errors import (
     AdmissionRefused,
@@ -417,7 +418,10 @@ def create_app(gateway: Gateway, *, model_name: str | None = None,
                 return JSONResponse(make(rid, served, created, done.text, done.finish_reason, use))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _events(feed, first, rid, served, created, chat, include_usage, meter, tenant)
-        return EventSourceResponse(events, sep="\n", ping=int(max(1, ping_seconds)))
+        # The background close also runs when the client leaves before the generator started
+        # (its own finally then never runs); closing twice is harmless.
+        return EventSourceResponse(events, sep="\n", ping=int(max(1, ping_seconds)),
+                                   background=BackgroundTask(feed.aclose))
 
     return app
 
