@@ -112,6 +112,32 @@ async def test_shutting_down_is_a_503(engine):
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
 
 
+async def test_a_queue_timeout_before_the_first_output_is_a_503_not_a_broken_stream(engine):
+    clock = FakeClock()  # the gateway's: queue_timeout fires when the test moves it
+    engine.step = asyncio.Event()
+    config = GatewayConfig(ingress="inline", ordering="fcfs", max_in_flight=1, queue_timeout=5.0)
+    async with Gateway(engine, config, clock=clock) as gw, client(create_app(gw)) as c:
+        held = asyncio.create_task(c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}))
+        queued = asyncio.create_task(c.post("/v1/completions", json={"prompt": PROMPT, "stream": True}))
+        while gw.statistics().queued < 1:
+            await asyncio.sleep(0)
+        await clock.advance(6.0)
+        timed_out = await queued
+        engine.step.set()
+        assert (await held).status_code == 200
+    assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "queue_timeout"
+
+
+async def test_an_engine_failure_after_the_first_output_ends_the_sse_stream_with_an_error_chunk():
+    engine = FakeEngine(block_size=4, max_model_len=256, fail_after=1)
+    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw, client(create_app(gw)) as c:
+        r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True})
+    events = sse_data(r.text)
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "server_error" and events[-2]["error"]["code"] == "engine_error"
+    assert gw.statistics().outcomes == {"engine_error": 1}
+
+
 async def test_models_health_and_ready(engine):
     async with Gateway(engine, GatewayConfig(ingress="inline")) as gw, client(
             create_app(gw, model_name="tiny")) as c:
