@@ -264,3 +264,18 @@ def test_retry_spread_tells_a_burst_to_come_back_one_place_apart():
     assert [spread.delay(full) for _ in range(8)][-4:] == [2.75, 3.0, 3.0, 3.0]  # capped
     now[0] = 200.0  # the horizon is past: back to the gateway's own estimate
     assert spread.delay(full) == 1.0
+
+
+async def test_a_client_leaving_a_non_streamed_request_while_it_runs_aborts_it():
+    clock = FakeClock()  # the engine's: each output waits one virtual second
+    engine = FakeEngine(block_size=4, max_model_len=256, clock=clock, output_time=1.0)
+    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw, running(create_app(gw)) as url, \
+            httpx.AsyncClient(base_url=url, timeout=30) as c:
+        waiting = asyncio.create_task(c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}))
+        await wait_for(lambda: len(engine.started) == 1)
+        await clock.advance(1.0)  # its first output: a non-streamed response still waits for the last
+        await wait_for(lambda: gw.statistics().running == 1)
+        waiting.cancel()  # the client leaves mid-generation
+        await wait_for(lambda: engine.aborted == engine.started)
+        await wait_for(lambda: gw.statistics().running == 0)
+    assert gw.statistics().outcomes == {"cancelled": 1}
