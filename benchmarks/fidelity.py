@@ -381,8 +381,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--set", type=_override, action="append", default=[], metavar="NAME=VALUE",
                    help="with --resim: a StepTimeModel or LoopCost field to charge instead (repeatable)")
     p.add_argument("--engine-core", action="store_true",
-                   help="with --resim: charge the engine core's own CPU and its wait for the core as the "
-                        "saved run's calibration measured them (measure_engine_core), instead of `shared`")
+                   help="with --resim: charge the engine core's own CPU as the saved run's calibration "
+                        "measured it (measure_engine_core), instead of `shared`, as calibrations since "
+                        "issue 15's thirteenth session do (its wait for the core too: --set core_wait=S)")
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     args = p.parse_args(argv)
@@ -408,7 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 core = saved.get("calibration", {}).get("measured", {}).get("engine_core")
                 if core is None:
                     raise ValueError(f"{args.resim} holds no engine-core measurement (older runs)")
-                overrides = {"shared": 0.0, **core, **overrides}
+                terms = {k: core[k] for k in ("shared_step", "core_seq", "core_token", "core_prefill")}
+                overrides = {"shared": 0.0, "core_wait": 0.0, **terms, **overrides}
             result = resim(saved, overrides, seed=args.seed)
         except ValueError as e:
             p.error(str(e))

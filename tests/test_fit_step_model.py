@@ -126,7 +126,8 @@ def test_loop_costs_come_apart_into_per_request_per_output_per_token_and_the_gat
     phases = [phase(path, k, n, t) for path, k, n, t in kinds]
     text = [phase("text", 1, 1, 70.0), phase("text", 1, 1, 2100.0)]
     fitted = {k: v for k, v in dataclasses.asdict(want).items()
-              if isinstance(v, float) and k not in ("char_part", "text_chars")}  # measure_text_cost's
+              if isinstance(v, float) and k not in ("char_part", "text_chars", "canon_request", "canon_char")}
+    # (measure_text_cost's and measure_canon_cost's)
     # With text floods, prompt_token is their excess over bare; the ingress thread's cost is the
     # gateway floods' CPU outside the loop's thread (their number is set, not fitted).
     got = fit_loop_cost((phases + text) * 3, alone)

@@ -67,6 +67,11 @@ class LoopCost:
             characters per token than the calibration's costs more per token (prose more than
             code and JSON). ``0``: a cost per token whatever the text.
         text_chars: Characters per token of the text those costs were measured on.
+        canon_request: Seconds more that preparing a prompt costs (in an ingress worker; on the
+            loop with ingress inline) when canonicalization changes it than when it leaves it as
+            it is, per such prompt: rewriting the text and reporting the edits. The per-token
+            costs above are measured on text that needs no edits.
+        canon_char: The same, per character of such a prompt.
 
     Raises:
         ValueError: If a cost is negative or not finite.
@@ -86,11 +91,13 @@ class LoopCost:
     output_at_step: bool = False
     char_part: float = 0.0
     text_chars: float = 4.0
+    canon_request: float = 0.0
+    canon_char: float = 0.0
 
     def __post_init__(self) -> None:
         check_costs(self, ("request", "output", "request_token", "prompt_token", "gateway_request",
                            "gateway_output", "gateway_token", "ingress_token", "ingress_workers"))
-        check_costs(self, ("char_part", "text_chars"))
+        check_costs(self, ("char_part", "text_chars", "canon_request", "canon_char"))
         if self.char_part > 1 or self.text_chars <= 0:
             raise ValueError(f"LoopCost.char_part must be at most 1 and text_chars positive, got "
                              f"{self.char_part!r} and {self.text_chars!r}")
@@ -105,6 +112,11 @@ class LoopCost:
         if not self.char_part or tokens <= 0:
             return 1.0
         return 1.0 - self.char_part + self.char_part * chars / tokens / self.text_chars
+
+    def canon_cost(self, chars: int) -> float:
+        """Seconds more that preparing a prompt of ``chars`` characters costs when
+        canonicalization changes it (``canon_request`` + ``canon_char`` per character)."""
+        return self.canon_request + self.canon_char * chars
 
 
 class LoopServer:
