@@ -35,6 +35,8 @@ import asyncio
 import dataclasses
 import json
 import os
+import random
+import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -117,6 +119,10 @@ def format_table(result: Mapping[str, Any]) -> str:
         for name, r in c["ratios"].items():
             lines.append(f"{case:<10} {name:<9} {_num(r['real']):>8} {_num(r['sim']):>7} "
                          f"{_pct(r['error']):>7}")
+    speed = result.get("machine_speed")
+    if speed:
+        lines.append("machine speed (tokenizing a fixed text, time vs the calibration's; above 1: slower): "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in speed["vs_calibration"].items()))
     return "\n".join(lines)
 
 
@@ -140,7 +146,13 @@ def format_markdown(result: Mapping[str, Any]) -> str:
                          f"{_pct(t['error'])} | {_pct(t99['error'])} |")
         ratios += [f"{case} {name} {_num(v['real'])} / {_num(v['sim'])} ({_pct(v['error'])})"
                    for name, v in c["ratios"].items()]
-    return "\n".join(lines) + "\n\nRatios real / sim (error): " + "; ".join(ratios) + "."
+    text = "\n".join(lines) + "\n\nRatios real / sim (error): " + "; ".join(ratios) + "."
+    speed = result.get("machine_speed")
+    if speed:
+        probes = ", ".join(f"{k} {v:.3f}" for k, v in speed["vs_calibration"].items())
+        text += ("\n\nMachine speed (tokenizing a fixed text with no engine running; time against the "
+                 f"calibration's, above 1 slower): {probes}.")
+    return text
 
 
 def plot(result: Mapping[str, Any], out: Path) -> None:
@@ -172,6 +184,38 @@ def plot(result: Mapping[str, Any], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+class SpeedProbe:
+    """How fast this machine runs the frontend's kind of work now: the wall time of tokenizing
+    a fixed text (the bare clients' main cost on the loop), the median of ``rounds``. Taken
+    with no engine running, before and after the calibration and after each case's real runs:
+    a shared VM's speed drifts (one run's real arms all read ~10% slower than the run before it,
+    on the same calibration), and a drift after the calibration is an error the simulator cannot
+    see. Reported, not corrected for."""
+
+    def __init__(self, tokenizer: Any, *, words: int = 1500, repeats: int = 10, rounds: int = 7) -> None:
+        from .text import TextMaker
+
+        self.tokenizer = tokenizer
+        self.text = TextMaker(random.Random(7), tokenizer).text(words, "mixed")
+        self.repeats, self.rounds = repeats, rounds
+
+    def measure(self) -> float:
+        """Seconds for ``repeats`` tokenizations of the text, the median of ``rounds``."""
+        times = []
+        for _ in range(self.rounds):
+            t0 = time.perf_counter()
+            for _ in range(self.repeats):
+                self.tokenizer.encode(self.text)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    @staticmethod
+    def summary(speed: Mapping[str, float]) -> dict[str, Any]:
+        """Each probe's seconds and its ratio to the calibration's (above 1: slower then)."""
+        base = speed["calibration"]
+        return {"seconds": dict(speed), "vs_calibration": {k: v / base for k, v in speed.items()}}
+
+
 async def _bench(trace: Any, factory: Any, repeats: int, warmup: int = 0) -> dict[str, Any]:
     from .harness import run_benchmark
 
@@ -195,8 +239,11 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     from .workloads import make_trace
 
     measured: dict[str, Any] = {}
-    step, loop = calibrate_cpu(str(TINY_LLAMA), measured)
     real_f = VllmFactory("vllm-cpu", str(TINY_LLAMA))
+    probe = SpeedProbe(real_f.tokenizer())
+    speed: dict[str, Any] = {"calibration": probe.measure()}
+    step, loop = calibrate_cpu(str(TINY_LLAMA), measured)
+    speed["after calibration"] = probe.measure()
     sim_f = SimFactory("cpu", real_f.tokenizer(), step_time=step, loop_cost=loop)
     cases: dict[str, Any] = {}
     raw: dict[str, Any] = {}
@@ -204,6 +251,7 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         trace = make_trace(workload, "cpu", seed=args.seed, tokenizer=real_f.tokenizer(),
                            overrides=_scaled(workload, "cpu", overrides, args.scale))
         real = asyncio.run(_bench(trace, real_f, args.repeats, args.warmup))
+        speed[label] = probe.measure()
         sim = asyncio.run(_bench(trace, sim_f, args.repeats))
         cases[label] = compare(real, sim)
         raw[label] = {"real": real, "sim": sim}
@@ -222,7 +270,7 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
                     "frontend and the engine core kept off the worker's core (keep_off_worker_cores)"
                     + (f"; {args.scale}x the requests per group" if args.scale != 1 else ""),
             "calibration": {"step_time": step, "loop_cost": loop, "measured": measured}, "cases": cases,
-            "raw": raw}
+            "machine_speed": probe.summary(speed), "raw": raw}
 
 
 def resim(doc: Mapping[str, Any], overrides: Mapping[str, float], *, repeats: int = 1,

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import itertools
 import json
 import os
@@ -560,7 +561,8 @@ def measure_text_cost(tokenizer: Any, *, texts: int = 20, words: int = 1500, rou
 
 def measure_canon_cost(tokenizer: Any, *, texts: int = 12, sizes: tuple[int, int] = (400, 3000),
                        edits: int = 3, rounds: int = 9, seed: int = 0, rules: Any = None,
-                       cpu: Callable[[], float] = time.thread_time) -> dict[str, float]:
+                       cpu: Callable[[], float] = time.thread_time,
+                       canon: Callable[[str], object] | None = None) -> dict[str, Any]:
     """What canonicalizing costs more when it edits a prompt: :class:`prefixgate.sim.LoopCost`'s
     ``canon_request`` and ``canon_char``.
 
@@ -571,13 +573,14 @@ def measure_canon_cost(tokenizer: Any, *, texts: int = 12, sizes: tuple[int, int
     whitespace edits each (the benchmarks' noise: :func:`benchmarks.text.apply_whitespace_edits`),
     the four sets in turn, the fastest of ``rounds``; the edited texts' excess per text, against
     their characters at the two sizes, gives a line ``canon_request + canon_char * chars``
-    (each kept at 0 or more).
+    (each kept at 0 or more). ``canon`` replaces what is timed (tests).
     """
     from prefixgate.canonicalize import CanonicalizeConfig, canonicalize_text
 
     from .text import TextMaker, apply_whitespace_edits
 
     rules = rules if rules is not None else CanonicalizeConfig()
+    timed = canon if canon is not None else functools.partial(canonicalize_text, config=rules)
     rng = random.Random(seed)
     maker = TextMaker(rng, tokenizer)
     sets: dict[tuple[int, bool], list[str]] = {}
@@ -590,7 +593,7 @@ def measure_canon_cost(tokenizer: Any, *, texts: int = 12, sizes: tuple[int, int
         for key, sample in sets.items():
             t0 = cpu()
             for t in sample:
-                canonicalize_text(t, rules)
+                timed(t)
             best[key] = min(best[key], cpu() - t0)
     (small, large) = sizes
     extra = {size: max(0.0, (best[size, True] - best[size, False]) / texts) for size in sizes}

@@ -42,3 +42,23 @@ def test_resim_refuses_unknown_fields_and_results_of_another_kind() -> None:
         main(["--resim", str(SAVED), "--set", "shared"])  # not NAME=NUMBER
     with pytest.raises(SystemExit):
         main(["--markdown", str(SAVED), "--set", "shared=0.5"])  # --set goes with --resim
+
+
+def test_the_speed_probe_times_a_fixed_tokenization_and_reports_each_probe_against_the_calibrations() -> None:
+    from benchmarks.fidelity import SpeedProbe
+    from prefixgate.testing import ByteTokenizer
+
+    calls: list[str] = []
+
+    class Counting(ByteTokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            calls.append(text)
+            return super().encode(text, add_special_tokens)
+
+    probe = SpeedProbe(Counting(), words=50, repeats=3, rounds=5)
+    calls.clear()
+    assert probe.measure() > 0
+    assert len(calls) == 15 and len(set(calls)) == 1  # the same text every time
+    summary = SpeedProbe.summary({"calibration": 0.2, "W1": 0.22, "W2": 0.19})
+    assert summary["vs_calibration"] == pytest.approx({"calibration": 1.0, "W1": 1.1, "W2": 0.95})
+    assert summary["seconds"]["W1"] == 0.22

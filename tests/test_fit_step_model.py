@@ -24,6 +24,7 @@ from benchmarks.fit_step_model import (
     calibration_steps,
     fit,
     fit_loop_cost,
+    measure_canon_cost,
     measure_engine_core,
     measure_loop_stretch,
     measure_shared,
@@ -433,3 +434,62 @@ def test_the_frontend_and_its_other_children_move_off_the_cores_a_child_is_bound
     assert json.loads(out[1]) == {"got": cpus[1:], "self": cpus[1:], "other": cpus[1:],
                                   "worker": cpus[:1], "released": cpus, "other_released": cpus}
     assert json.loads(out[2]) == {"again": cpus[1:]}
+
+
+def test_measure_canon_cost_reads_back_what_editing_adds_per_prompt_and_per_character() -> None:
+    # Canonicalization on a clock only it moves: a scan of 2 ns a character for every text, and
+    # for a text it edits 30 us more plus 4 ns a character. The fit gives the second part back.
+    from prefixgate.canonicalize import canonicalize_text
+
+    spent = [0.0]
+
+    def canon(text: str) -> object:
+        out = canonicalize_text(text)
+        spent[0] += 2e-9 * len(text) + ((30e-6 + 4e-9 * len(text)) if out.changed else 0.0)
+        return out
+
+    got = measure_canon_cost(ByteTokenizer(), texts=3, sizes=(80, 400), rounds=2, cpu=lambda: spent[0],
+                             canon=canon)
+    assert got["canon_request"] == pytest.approx(30e-6, rel=1e-6)
+    assert got["canon_char"] == pytest.approx(4e-9, rel=1e-6)
+    assert got["canon_chars"][1] > 3 * got["canon_chars"][0]  # two sizes to fit through
+    cost = LoopCost(canon_request=got["canon_request"], canon_char=got["canon_char"])
+    assert cost.canon_cost(1000) == pytest.approx(34e-6, rel=1e-6)
+
+
+def test_report_charges_the_engine_cores_measured_cpu_in_place_of_shared_and_records_its_wait() -> None:
+    core = {"shared_step": 6e-4, "core_seq": 1.4e-5, "core_token": 2e-7, "core_prefill": 3e-7,
+            "core_wait": 3e-3}
+    records = [StepRecord(0.002 + 1e-6 * p, p, 1) for p in (0, 100, 300, 700, 1500)]
+    fitted = report(records, {"engine": "vllm-cpu", "shared": 0.35, "engine_core": core})
+    assert fitted["fit"]["shared"] == 0.0 and fitted["fit"]["core_wait"] == 0.0
+    assert {k: fitted["fit"][k] for k in ("shared_step", "core_seq", "core_token", "core_prefill")} == {
+        k: core[k] for k in ("shared_step", "core_seq", "core_token", "core_prefill")}
+    assert fitted["engine_core"]["core_wait"] == 3e-3  # recorded as measured
+    # Without the engine core's measurement, `shared` is charged as measured.
+    assert report(records, {"engine": "vllm-cpu", "shared": 0.35})["fit"]["shared"] == 0.35
+
+
+async def test_the_harness_charges_canonicalizations_edits_where_the_prompt_is_prepared() -> None:
+    from benchmarks.engines import SimFactory
+    from benchmarks.harness import run_arm
+    from benchmarks.workloads import make_trace
+
+    # W3's whitespace noise on half the requests: each one canonicalization edits costs the
+    # ingress worker 5 ms more; the clean trace's requests cost nothing more.
+    spans = {}
+    for noise in (0.0, 1.0):
+        trace = make_trace("W3", "sim", seed=0, tokenizer=ByteTokenizer(),
+                           overrides={"groups": 2, "per_group": 4, "prefix_tokens": 64, "suffix_tokens": 8,
+                                      "max_tokens": 2, "noise_p": noise})
+        for canon in (0.0, 5e-3):
+            cost = {"request": 1e-4, "ingress_token": 1e-6, "ingress_workers": 1, "canon_request": canon}
+            running = await SimFactory("sim", ByteTokenizer(), loop_cost=cost).start(caching=True,
+                                                                                       kv_cap_tokens=None)
+            run = await run_arm("L", 0, trace, running)
+            assert all(r.outcome == "completed" for r in run.records)
+            spans[noise, canon] = max(r.finished for r in run.records) - run.start
+    noisy = sum(r.prompt != r.clean_prompt for r in trace.requests)
+    assert noisy == len(trace.requests)
+    assert spans[1.0, 5e-3] >= spans[1.0, 0.0] + noisy * 5e-3 * 0.99  # one worker: each in turn
+    assert spans[0.0, 5e-3] == pytest.approx(spans[0.0, 0.0])
