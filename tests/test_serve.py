@@ -149,6 +149,35 @@ async def test_models_health_and_ready(engine):
     assert wrong.status_code == 404
 
 
+async def test_ready_turns_503_when_the_one_engine_dies_or_reports_itself_unhealthy(engine):
+    # One engine, in process: /ready follows Gateway.healthy, which reads the replica's death
+    # (found by a request) and the engine's own health (VllmEngine: vLLM's errored flag).
+    engine.die_after = 1
+    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw, client(create_app(gw)) as c:
+        assert (await c.get("/ready")).status_code == 200 and gw.healthy
+        died = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+        ready, health = await c.get("/ready"), await c.get("/health")
+    assert died.status_code >= 500
+    assert ready.status_code == 503 and ready.json() == {"status": "not_ready"} and not gw.healthy
+    assert health.status_code == 200  # the process is up: a liveness probe must not restart it
+
+    other = FakeEngine(block_size=4, max_model_len=256)
+    async with Gateway(other, GatewayConfig(ingress="inline")) as gw, client(create_app(gw)) as c:
+        other.healthy = False  # an engine that knows it is unhealthy, with no request sent
+        assert (await c.get("/ready")).status_code == 503
+        other.healthy = True
+        assert (await c.get("/ready")).status_code == 200
+
+
+async def test_ready_with_several_replicas_needs_one_that_can_serve():
+    a, b = FakeEngine(block_size=4, max_model_len=256), FakeEngine(block_size=4, max_model_len=256)
+    async with Gateway([a, b], GatewayConfig(ingress="inline")) as gw, client(create_app(gw)) as c:
+        a.healthy = False
+        assert (await c.get("/ready")).status_code == 200 and gw.healthy
+        b.healthy = False
+        assert (await c.get("/ready")).status_code == 503 and not gw.healthy
+
+
 async def test_metrics_parse_and_every_documented_metric_is_present(engine):
     engine.step = asyncio.Event()
     config = GatewayConfig(ingress="inline", ordering="fcfs", max_in_flight=1, max_queue_len=1)

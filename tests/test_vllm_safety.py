@@ -51,7 +51,9 @@ async def test_shutting_the_engine_down_ends_every_request_and_refuses_new_ones(
             tasks = [asyncio.create_task(run(i)) for i in range(12)]
             await asyncio.wait_for(first_output.wait(), 60)
             assert gw.statistics().running == 4 and gw.statistics().queued == 8
+            assert engine.healthy and gw.healthy
             engine.shutdown()  # vLLM's own shutdown blocks for a few seconds
+            assert not engine.healthy and not gw.healthy  # a readiness probe sees it at once
             t0 = time.monotonic()
             results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
             assert time.monotonic() - t0 < 2.0

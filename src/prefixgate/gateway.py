@@ -326,6 +326,20 @@ class Gateway:
             return False
         return self._dispatch.can_dispatch(ticket)
 
+    @property
+    def healthy(self) -> bool:
+        """Whether the gateway takes requests and an engine can serve them now: it is not
+        closing and (one engine) its engine is not known dead and does not report itself
+        unhealthy (an engine's ``healthy`` attribute, where it has one: ``VllmEngine``,
+        ``RemoteVllm``) or (several) a replica is alive. A readiness probe's answer; it
+        changes nothing."""
+        if self._dispatch.closing:
+            return False
+        if self._router is not None:
+            return any(u.replica.dead is None and bool(getattr(u.replica.engine, "healthy", True))
+                       for u in self._router.units)
+        return self._replica.dead is None and bool(getattr(self.engine, "healthy", True))
+
     def statistics(self) -> GatewayStatistics:
         """A frozen snapshot of the gateway's counters and the engine's latest KV state (with
         several engines: summed over them, and each one's in ``replicas``)."""

@@ -113,6 +113,8 @@ class FakeEngine:
         fail_after: If set, a request raises ``EngineError`` after this many outputs.
         die_after: If set, the engine dies (``EngineDead``) after this many outputs in total.
         refuse: If set, ``generate`` raises ``InvalidRequest`` with this message.
+        healthy: What the engine reports of its own health (:attr:`Gateway.healthy
+            <prefixgate.Gateway.healthy>` reads it, as it reads ``VllmEngine.healthy``).
     """
 
     block_size: int = 4
@@ -127,6 +129,7 @@ class FakeEngine:
     fail_after: int | None = None
     die_after: int | None = None
     refuse: str | None = None
+    healthy: bool = True
     running: set[str] = field(default_factory=set)
     aborted: list[str] = field(default_factory=list)
     started: list[str] = field(default_factory=list)

@@ -243,6 +243,12 @@ class VllmEngine:
         return self._engine
 
     @property
+    def healthy(self) -> bool:
+        """``False`` once the engine is shut down or vLLM reports it errored (its engine core
+        process died: vLLM's client watches it), with no request needed to find out."""
+        return not self._shut_down and not self._engine.errored
+
+    @property
     def model_name(self) -> str:
         return self._model_name
 

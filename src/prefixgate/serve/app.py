@@ -271,8 +271,9 @@ def create_app(gateway: Gateway, *, model_name: str | None = None,
 
     Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true: SSE, with
     ``stream_options.include_usage``), ``GET /v1/models``, ``GET /health`` (200 while the
-    gateway accepts requests), ``GET /ready`` (200 while it accepts requests and, with several
-    replicas, one is alive), ``GET /metrics`` (Prometheus text; ``metrics`` given or a new
+    gateway accepts requests), ``GET /ready`` (200 while :attr:`Gateway.healthy
+    <prefixgate.Gateway.healthy>`: it accepts requests and an engine can serve them),
+    ``GET /metrics`` (Prometheus text; ``metrics`` given or a new
     :class:`~prefixgate.serve.metrics.ServeMetrics`).
 
     Args:
@@ -329,8 +330,7 @@ def create_app(gateway: Gateway, *, model_name: str | None = None,
 
     @app.get("/ready")
     async def ready() -> Response:
-        replicas = gateway.statistics().replicas
-        if state.closing or (replicas and not any(r.alive for r in replicas)):
+        if state.closing or not gateway.healthy:
             return JSONResponse({"status": "not_ready"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
