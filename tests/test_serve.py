@@ -308,3 +308,44 @@ async def test_a_client_leaving_a_non_streamed_request_while_it_runs_aborts_it()
         await wait_for(lambda: engine.aborted == engine.started)
         await wait_for(lambda: gw.statistics().running == 0)
     assert gw.statistics().outcomes == {"cancelled": 1}
+
+
+@pytest.mark.parametrize("leave", ["disconnect at the headers", "send fails at the headers"])
+async def test_a_streamed_request_is_aborted_when_the_client_leaves_before_any_event(leave):
+    # Driven as an ASGI server would, so the client can leave at the one moment between the
+    # first output (the handler waits for it) and the first event: the disconnect arrives as
+    # the headers go out, or sending them raises (a connection reset). The events' generator
+    # never runs in either; the request must still be cancelled and its engine request aborted.
+    engine = FakeEngine(block_size=4, max_model_len=256, clock=MonotonicClock(), output_time=0.01)
+    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw:
+        app = create_app(gw)
+        body = b'{"prompt": "hello there", "max_tokens": 2000, "stream": true}'
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("test", 80),
+                 "headers": [(b"content-type", b"application/json"), (b"host", b"test")]}
+        gone = asyncio.Event()
+        bodies = [{"type": "http.request", "body": body, "more_body": False}]
+        sent: list[str] = []
+
+        async def receive() -> dict:
+            if bodies:
+                return bodies.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message["type"])
+            if message["type"] == "http.response.start":
+                if leave.startswith("send fails"):
+                    raise OSError("connection reset by peer")
+                gone.set()
+
+        try:
+            await asyncio.wait_for(app(scope, receive, send), 10)
+        except OSError:
+            assert leave.startswith("send fails")
+        assert sent[0] == "http.response.start"
+        assert engine.aborted == engine.started and len(engine.started) == 1
+        stats = gw.statistics()
+        assert stats.outcomes == {"cancelled": 1} and stats.running == 0 and stats.queued == 0

@@ -30,7 +30,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
-from starlette.background import BackgroundTask
 
 from ..errors import (
     AdmissionRefused,
@@ -231,6 +230,23 @@ class _Feed:
             await self._stream.aclose()
 
 
+class _ClosingEventSource(EventSourceResponse):
+    """An SSE response that closes its request's feed however the response ends: done, the
+    client gone before the events' generator first ran (its own ``finally`` then never runs),
+    or the server's ``send`` failing (a connection reset while the headers go out), which
+    raises out of the response before Starlette would run a background task."""
+
+    def __init__(self, *args: Any, feed: _Feed, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._feed = feed
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._feed.aclose()  # shielded; closing twice is harmless
+
+
 @dataclass(slots=True)
 class _State:
     """What the app knows of its own life: ``closing`` once its server shuts down."""
@@ -418,10 +434,7 @@ def create_app(gateway: Gateway, *, model_name: str | None = None,
                 return JSONResponse(make(rid, served, created, done.text, done.finish_reason, use))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _events(feed, first, rid, served, created, chat, include_usage, meter, tenant)
-        # The background close also runs when the client leaves before the generator started
-        # (its own finally then never runs); closing twice is harmless.
-        return EventSourceResponse(events, sep="\n", ping=int(max(1, ping_seconds)),
-                                   background=BackgroundTask(feed.aclose))
+        return _ClosingEventSource(events, sep="\n", ping=int(max(1, ping_seconds)), feed=feed)
 
     return app
 
