@@ -33,6 +33,22 @@ async def test_a_huge_max_tokens_is_served_up_to_the_context_as_vllm_does(vllm_e
     assert stats.completed == 1 and stats.reserved_blocks == 0
 
 
+def _long_requests(gw: Gateway, n: int) -> tuple[list[asyncio.Task[BaseException | None]], asyncio.Event]:
+    """``n`` long requests streaming through ``gw`` (each task returns the error it ended
+    with, or ``None``), and an event set at the first output any of them gets."""
+    first_output = asyncio.Event()
+
+    async def run(i: int) -> BaseException | None:
+        try:
+            async for _ in gw.generate(f"request {i} " * 20, sp(2000)):
+                first_output.set()
+        except BaseException as e:
+            return e
+        return None
+
+    return [asyncio.create_task(run(i)) for i in range(n)], first_output
+
+
 async def test_shutting_the_engine_down_ends_every_request_and_refuses_new_ones():
     from prefixgate import VllmEngine
     from tests.conftest import tiny_engine_args
@@ -40,17 +56,7 @@ async def test_shutting_the_engine_down_ends_every_request_and_refuses_new_ones(
     engine = VllmEngine.from_engine_args(tiny_engine_args())
     try:
         async with Gateway.for_vllm(engine, GatewayConfig(max_in_flight=4)) as gw:
-            first_output = asyncio.Event()
-
-            async def run(i: int) -> BaseException | None:
-                try:
-                    async for _ in gw.generate(f"request {i} " * 20, sp(2000)):
-                        first_output.set()
-                except BaseException as e:
-                    return e
-                return None
-
-            tasks = [asyncio.create_task(run(i)) for i in range(12)]
+            tasks, first_output = _long_requests(gw, 12)
             await asyncio.wait_for(first_output.wait(), 60)
             assert gw.statistics().running == 4 and gw.statistics().queued == 8
             assert engine.healthy and gw.healthy
@@ -94,17 +100,7 @@ async def test_an_engine_core_killed_mid_stream_ends_every_request_with_engine_d
     try:
         (core,) = _engine_cores() - before
         async with Gateway.for_vllm(engine, GatewayConfig(max_in_flight=4)) as gw:
-            first_output = asyncio.Event()
-
-            async def run(i: int) -> BaseException | None:
-                try:
-                    async for _ in gw.generate(f"request {i} " * 20, sp(2000)):
-                        first_output.set()
-                except BaseException as e:
-                    return e
-                return None
-
-            tasks = [asyncio.create_task(run(i)) for i in range(8)]
+            tasks, first_output = _long_requests(gw, 8)
             await asyncio.wait_for(first_output.wait(), 60)
             assert gw.healthy
             os.kill(core, signal.SIGKILL)
