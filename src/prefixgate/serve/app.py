@@ -407,27 +407,29 @@ def create_app(gateway: Gateway, *, model_name: str | None = None,
                 meter.first_token(endpoint, time.monotonic() - started, wait)
 
             feed = _Feed(stream, on_first)
-            try:
-                first = await _or_disconnect(request, feed.next())
-            except ClientDisconnected:
-                meter.disconnected("queued")
+
+            async def until(work: Awaitable[Any], phase: str) -> tuple[Any, Response | None]:
+                """``work``'s result, or the response that ends the request (the client
+                left during ``phase``: 499; a refusal or an engine error) with its feed closed."""
+                try:
+                    return await _or_disconnect(request, work), None
+                except ClientDisconnected:
+                    meter.disconnected(phase)
+                    ended: Response = Response(status_code=499)
+                except PrefixgateError as e:
+                    ended = refusal(e)
                 await feed.aclose()
-                return Response(status_code=499)
-            except PrefixgateError as e:
-                await feed.aclose()
-                return refusal(e)
+                return None, ended
+
+            first, ended = await until(feed.next(), "queued")
+            if ended is not None:
+                return ended
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}"
             created = int(time.time())
             if not body.stream:
-                try:
-                    last = await _or_disconnect(request, _last(feed, first))
-                except ClientDisconnected:
-                    meter.disconnected("running")
-                    await feed.aclose()
-                    return Response(status_code=499)
-                except PrefixgateError as e:
-                    await feed.aclose()
-                    return refusal(e)
+                last, ended = await until(_last(feed, first), "running")
+                if ended is not None:
+                    return ended
                 await feed.aclose()
                 done, use = _completion(last), _usage(last)
                 make = chat_response if chat else completion_response
