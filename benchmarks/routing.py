@@ -318,6 +318,7 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
             "makespan_s": makespan,
             "hit_rate": cached / prompt, "prompt_tokens": prompt, "computed_prefill_tokens": prompt - cached,
             "imbalance": max(load) / mean if mean else None, "placed": [len(s) for s in spans.values()],
+            "loads": load,
             "engine_imbalance": _imbalance([statistics.fmean(col) for col in zip(*samples, strict=True)]
                                            if samples else []),
             "errors": dict(errors), "loop_lag_max_s": max(lag, default=None),

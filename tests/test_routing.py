@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import random
 from collections.abc import Sequence
 
@@ -127,8 +128,9 @@ def test_bounded_cost_leaves_a_replica_at_its_load_bound_whatever_it_holds():
     states[2].mirror.insert(cached.block_hashes[:4])
     states[2].load = 5  # the bound with epsilon 0.1, margin 1: ceil(1.1 * 6 / 3) + 1 = 4
     hot = ticket([3] * 16 + [2, 2, 2, 2], "x")
-    assert CostPlacement(route_prefix_tokens=16).place(hot, states) == 2  # unbounded: the hit
-    bounded = CostPlacement(route_prefix_tokens=16, epsilon=0.1, margin=1)
+    # Requests in flight not counted, so that only the bound can move it.
+    assert CostPlacement(route_prefix_tokens=16, request_tokens=0).place(hot, states) == 2  # unbounded
+    bounded = CostPlacement(route_prefix_tokens=16, epsilon=0.1, margin=1, request_tokens=0)
     assert bounded.place(hot, states) != 2
     states[2].load = 2  # the bound: ceil(1.1 * 3 / 3) + 1 = 3
     assert bounded.place(hot, states) == 2  # under its bound again: the hit wins
@@ -140,9 +142,13 @@ def test_cost_can_count_requests_in_flight_not_only_their_uncached_tokens():
     states[1].mirror.insert(cached.block_hashes[:4])
     states[1].load = 100  # a hundred requests that hit everything: no uncached tokens pending
     hot = ticket([3] * 16 + [2, 2, 2, 2], "x")
-    assert CostPlacement(route_prefix_tokens=16).place(hot, states) == 1
+    assert CostPlacement(route_prefix_tokens=16, request_tokens=0).place(hot, states) == 1
     # 100 requests x 8 tokens x weight 0.1 = 80 > the 16 tokens the hit saves: the other replica
     assert CostPlacement(route_prefix_tokens=16, request_tokens=8).place(hot, states) == 0
+    states[1].load = 1  # the default (2048 a request): 205 > 16, so one request outweighs this hit
+    assert CostPlacement(route_prefix_tokens=16).place(hot, states) == 0
+    states[1].load = 0
+    assert CostPlacement(route_prefix_tokens=16).place(hot, states) == 1
     with pytest.raises(ValueError, match="request_tokens"):
         CostPlacement(request_tokens=-1)
 
@@ -196,6 +202,29 @@ async def test_prefix_affinity_beats_round_robin_when_one_replica_cannot_hold_ev
                 await asyncio.gather(*(drain(gw.generate(p, SP)) for p in prompts))
             hits[placement] = gw.statistics().hit_rate
     assert hits["consistent_hash"] > hits["round_robin"] + 0.2
+
+
+async def test_a_burst_of_one_prefix_counts_its_prefill_once_in_the_pending_work():
+    # Before the first request of a new prefix is dispatched its replica's mirror does not know
+    # the prefix; the requests placed after it will hit it, and the work placed ahead counts
+    # only their own uncached tokens (else a burst's every request counts its whole prompt and
+    # cost placement evens request counts, not work).
+    seen: list[int] = []
+
+    class First:
+        def place(self, ticket, replicas):
+            seen.append(replicas[0].pending_tokens)
+            return 0
+
+    clock, engines = sims(2)
+    prompts = group_prompts(1, 6)
+    async with Gateway(engines, GatewayConfig(placement=First()), clock=clock) as gw:
+        await asyncio.gather(*(drain(gw.generate(p, SP)) for p in prompts))
+    prompt_tokens = len(prompts[0])  # bytes: the ByteTokenizer
+    assert seen[0] == 0 and len(seen) == 6
+    steps = [b - a for a, b in itertools.pairwise(seen)]
+    assert steps[0] == prompt_tokens  # the first computes its whole prompt
+    assert all(0 < s < prompt_tokens // 2 for s in steps[1:])  # the rest only past the shared prefix
 
 
 async def test_replicas_must_serve_one_model_with_one_block_size():

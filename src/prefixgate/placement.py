@@ -255,15 +255,19 @@ class CostPlacement:
         margin: Requests a replica may carry above the bound (with ``epsilon``).
         request_tokens: What one request placed on a replica (and not ended) counts for, in
             uncached prompt tokens, beside its uncached tokens: its decode and its slot in the
-            batch, which a request that hits its whole prefix still takes. 0 (the default):
-            only uncached tokens count.
+            batch, which a request that hits its whole prefix still takes. At 2048 (the
+            default) and ``weight`` 0.1, a request that would hit 4,096 tokens on a replica
+            leaves it once about 20 more requests are in flight there than elsewhere. 0: only
+            uncached tokens count, so a replica full of requests that hit looks idle and a hot
+            prefix piles up on it (simulated W5 at 16 replicas, Zipf, seed 0: imbalance 3.9;
+            with 2048, 1.10).
 
     Raises:
         ValueError: If ``weight`` < 0, ``request_tokens`` < 0 or ``route_prefix_tokens`` < 1.
     """
 
     def __init__(self, *, weight: float = 0.1, route_prefix_tokens: int = 256,
-                 epsilon: float | None = None, margin: int = 1, request_tokens: int = 0) -> None:
+                 epsilon: float | None = None, margin: int = 1, request_tokens: int = 2048) -> None:
         if not weight >= 0 or request_tokens < 0:
             raise ValueError(f"CostPlacement needs weight >= 0 and request_tokens >= 0, got {weight}, "
                              f"{request_tokens}")

@@ -126,7 +126,12 @@ class Router:
 
     def _place(self, ticket: Ticket, unit: Unit) -> None:
         state = unit.state
-        pending = ticket.num_prompt_tokens - state.hit_tokens(ticket)
+        # Its uncached tokens as placement predicts them: what the replica's cache holds or the
+        # requests placed there lately bring. (Counting only what the cache holds now made
+        # every request of a burst count its whole prompt, hits or not, so the pending work
+        # evened out request counts, not work: simulated W5 at 16 replicas left 9 to 22
+        # prefills per replica, with imbalance 1.16.)
+        pending = ticket.num_prompt_tokens - state.expected_hit_tokens(ticket)
         self._placed[ticket] = (unit, pending)
         state.placed_chains.insert(ticket.block_hashes)
         state.load += 1
