@@ -269,6 +269,7 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
     wall0 = time.perf_counter()
     tag = f"{arm.replace(' ', '_')}-s{seed}"
     samples: list[list[int]] = []
+    homes: dict[int, set[int]] = collections.defaultdict(set)  # group -> replicas it was placed on
     dt = 0.002 if pool.kind == "sim" else 0.02
     sampler = asyncio.ensure_future(_sample_engines(engines, clock, stop, dt, samples))
 
@@ -297,6 +298,7 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
                     errors[f"{type(e).__name__}: {e}"[:120]] += 1
                     return
                 spans[recorder.placed[rid]].append(clock.now() - start)
+                homes[req.group].add(recorder.placed[rid])
                 results.append(last)
 
             await asyncio.gather(*(through(i, req) for i, req in requests))
@@ -322,6 +324,13 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
             "engine_imbalance": _imbalance([statistics.fmean(col) for col in zip(*samples, strict=True)]
                                            if samples else []),
             "errors": dict(errors), "loop_lag_max_s": max(lag, default=None),
+            # Where the hits went (gateway arms): each replica beyond a group's first computes
+            # its prefix again; what the gateway predicted at dispatch against what the engines
+            # reported (less: evicted before the request ran).
+            "extra_group_replicas": sum(len(h) - 1 for h in homes.values()) if homes else None,
+            "groups_split": sum(len(h) > 1 for h in homes.values()) if homes else None,
+            "predicted_hit_tokens": gw_stats.predicted_hit_tokens if gw_stats else None,
+            "engine_cached_tokens": gw_stats.engine_cached_tokens if gw_stats else None,
             "wall_s": time.perf_counter() - wall0}
 
 
