@@ -18,7 +18,7 @@ from prefixgate import (
     QueueFull,
     RateLimited,
 )
-from prefixgate.serve import METRICS, RetrySpread, create_app
+from prefixgate.serve import METRICS, RetrySpread, ServeMetrics, create_app
 from prefixgate.serve.cli import config_fields, gateway_config, parse_args
 from prefixgate.serve.testing import running, sse_data
 from prefixgate.testing import FakeEngine
@@ -130,8 +130,11 @@ async def test_a_queue_timeout_before_the_first_output_is_a_503_not_a_broken_str
 
 async def test_an_engine_failure_after_the_first_output_ends_the_sse_stream_with_an_error_chunk():
     engine = FakeEngine(block_size=4, max_model_len=256, fail_after=1)
-    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw, client(create_app(gw)) as c:
+    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw, \
+            client(create_app(gw, metrics=(meter := ServeMetrics(gw)))) as c:
         r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True})
+    # The stream ended with an error, not a client leaving.
+    assert not meter.registry.get_sample_value("prefixgate_client_disconnects_total", {"phase": "streaming"})
     events = sse_data(r.text)
     assert r.status_code == 200 and events[-1] == "[DONE]"
     assert events[-2]["error"]["type"] == "server_error" and events[-2]["error"]["code"] == "engine_error"
@@ -218,8 +221,8 @@ async def test_a_client_leaving_while_queued_frees_its_place_and_one_streaming_a
     clock = FakeClock()  # the engine's: each output waits one virtual second
     engine = FakeEngine(block_size=4, max_model_len=256, clock=clock, output_time=1.0)
     config = GatewayConfig(ingress="inline", ordering="fcfs", max_in_flight=1, max_queue_len=1)
-    async with Gateway(engine, config) as gw, running(create_app(gw)) as url, httpx.AsyncClient(
-            base_url=url, timeout=30) as c:
+    async with Gateway(engine, config) as gw, running(create_app(gw, metrics=(meter := ServeMetrics(gw)))) \
+            as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
         body = {"prompt": PROMPT, "max_tokens": 4, "stream": True}
         request = c.build_request("POST", "/v1/completions", json=body)
         opening = asyncio.create_task(c.send(request, stream=True))
@@ -242,6 +245,9 @@ async def test_a_client_leaving_while_queued_frees_its_place_and_one_streaming_a
     assert len(engine.started) == 2 and engine.aborted == engine.started[:1]
     assert gw.statistics().outcomes == {"cancelled": 2, "completed": 1}
     assert gw.statistics().running == gw.statistics().queued == 0
+    left = {phase: meter.registry.get_sample_value("prefixgate_client_disconnects_total", {"phase": phase})
+            for phase in ("queued", "streaming")}
+    assert left == {"queued": 1, "streaming": 1}  # each client that left, once, in its phase
 
 
 def test_gateway_config_from_flags_and_environment():
@@ -318,7 +324,8 @@ async def test_a_streamed_request_is_aborted_when_the_client_leaves_before_any_e
     # never runs in either; the request must still be cancelled and its engine request aborted.
     engine = FakeEngine(block_size=4, max_model_len=256, clock=MonotonicClock(), output_time=0.01)
     async with Gateway(engine, GatewayConfig(ingress="inline")) as gw:
-        app = create_app(gw)
+        meter = ServeMetrics(gw)
+        app = create_app(gw, metrics=meter)
         body = b'{"prompt": "hello there", "max_tokens": 2000, "stream": true}'
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
                  "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
@@ -349,3 +356,5 @@ async def test_a_streamed_request_is_aborted_when_the_client_leaves_before_any_e
         assert engine.aborted == engine.started and len(engine.started) == 1
         stats = gw.statistics()
         assert stats.outcomes == {"cancelled": 1} and stats.running == 0 and stats.queued == 0
+        left = meter.registry.get_sample_value("prefixgate_client_disconnects_total", {"phase": "streaming"})
+        assert left == 1  # counted once, as a client that left while streaming

@@ -188,6 +188,7 @@ class _Feed:
         self._error: BaseException | None = None
         self._done = False
         self._event = asyncio.Event()
+        self.cut: bool | None = None  # at the first aclose: whether the stream had not ended
         self._task = asyncio.get_running_loop().create_task(self._pump())
 
     async def _pump(self) -> None:
@@ -222,7 +223,10 @@ class _Feed:
         return None
 
     async def aclose(self) -> None:
-        """Cancels the pump (aborting the engine request, dequeuing a queued one) and waits."""
+        """Cancels the pump (aborting the engine request, dequeuing a queued one) and waits.
+        The first call notes whether the stream was cut short (:attr:`cut`)."""
+        if self.cut is None:
+            self.cut = not self._done
         with anyio.CancelScope(shield=True):
             if not self._task.done():
                 self._task.cancel()
@@ -234,17 +238,21 @@ class _ClosingEventSource(EventSourceResponse):
     """An SSE response that closes its request's feed however the response ends: done, the
     client gone before the events' generator first ran (its own ``finally`` then never runs),
     or the server's ``send`` failing (a connection reset while the headers go out), which
-    raises out of the response before Starlette would run a background task."""
+    raises out of the response before Starlette would run a background task. A request cut
+    short by any of these counts as a client that left while ``streaming``."""
 
-    def __init__(self, *args: Any, feed: _Feed, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, feed: _Feed, meter: ServeMetrics, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._feed = feed
+        self._meter = meter
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._feed.aclose()  # shielded; closing twice is harmless
+            if self._feed.cut:
+                self._meter.disconnected("streaming")
 
 
 @dataclass(slots=True)
@@ -436,7 +444,7 @@ def create_app(gateway: Gateway, *, model_name: str | None = None,
                 return JSONResponse(make(rid, served, created, done.text, done.finish_reason, use))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _events(feed, first, rid, served, created, chat, include_usage, meter, tenant)
-        return _ClosingEventSource(events, sep="\n", ping=int(max(1, ping_seconds)), feed=feed)
+        return _ClosingEventSource(events, sep="\n", ping=int(max(1, ping_seconds)), feed=feed, meter=meter)
 
     return app
 
@@ -459,7 +467,6 @@ async def _events(feed: _Feed, first: Any, rid: str, model: str, created: int, c
     (OpenAI's shape) before ``[DONE]``; a client that leaves cancels the request."""
     delta = _Delta()
     out: Any = first
-    ended = False
     with meter.in_flight(tenant):
         try:
             if chat:
@@ -480,12 +487,8 @@ async def _events(feed: _Feed, first: Any, rid: str, model: str, created: int, c
                                                    "model": model, "choices": [], "usage": _usage(out)})}
                     break
                 out = await feed.next()
-            ended = True
         except PrefixgateError as e:
-            ended = True
             yield {"data": json.dumps(json.loads(bytes(error_response(e).body)))}
         finally:
-            if not ended:
-                meter.disconnected("streaming")
-            await feed.aclose()
+            await feed.aclose()  # a client that left is counted by the response (_ClosingEventSource)
     yield {"data": "[DONE]"}
