@@ -551,7 +551,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cost-epsilon", type=float, default=None,
                    help="L: CostPlacement(epsilon=...), loads bounded as consistent_hash bounds them")
     p.add_argument("--cost-request-tokens", type=int, default=None,
-                   help="L: CostPlacement(request_tokens=...), what a request in flight counts for")
+                   help="L: CostPlacement(request_tokens=...), what a request in flight counts for "
+                   "(default: half the prompt being placed)")
     args = p.parse_args(argv)
     COST_OPTIONS.clear()
     if args.cost_epsilon is not None:

@@ -145,12 +145,17 @@ def test_cost_can_count_requests_in_flight_not_only_their_uncached_tokens():
     assert CostPlacement(route_prefix_tokens=16, request_tokens=0).place(hot, states) == 1
     # 100 requests x 8 tokens x weight 0.1 = 80 > the 16 tokens the hit saves: the other replica
     assert CostPlacement(route_prefix_tokens=16, request_tokens=8).place(hot, states) == 0
-    states[1].load = 1  # the default (2048 a request): 205 > 16, so one request outweighs this hit
-    assert CostPlacement(route_prefix_tokens=16).place(hot, states) == 0
-    states[1].load = 0
+    # The default: each request counts half this prompt (10 tokens, 1 once weighted), so the
+    # request leaves its 16-token hit once more than 16 requests are in flight there.
+    states[1].load = 15
     assert CostPlacement(route_prefix_tokens=16).place(hot, states) == 1
+    states[1].load = 20
+    assert CostPlacement(route_prefix_tokens=16).place(hot, states) == 0
+    assert CostPlacement(route_prefix_tokens=16, request_share=0.0).place(hot, states) == 1
     with pytest.raises(ValueError, match="request_tokens"):
         CostPlacement(request_tokens=-1)
+    with pytest.raises(ValueError, match="request_share"):
+        CostPlacement(request_share=-0.5)
 
 
 def test_prefix_key_depth_and_short_prompts():
