@@ -384,13 +384,22 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0) ->
     overlap = [sum(min(ca[r] / sum(ca.values()), cb[r] / sum(cb.values())) for r in ca) for ca, cb in both]
     modal = [max((ca + cb).values()) / sum((ca + cb).values()) for ca, cb in both]
     sizes = [sum((ca + cb).values()) for ca, cb in both]
+    # The issue's own reading: a group's requests (both gateways') with >= 95% on one replica.
+    # A group with more than a replica's fair share of all requests cannot have that and even
+    # loads both, so those that fit one replica's share are also counted apart.
+    fair = sum(sum((ca + cb).values()) for ca, cb in where.values()) / len(engines)
+    fits = [n <= fair for n in sizes]
+    fitting = [m for m, f in zip(modal, fits, strict=True) if f]
     if errors:
         print(f"pair ({arm}): {sum(errors.values())} requests failed: {dict(errors)}", flush=True)
     return {"hit_rate": cached / prompt, "req_per_s": len(outs) / (clock.now() - start),
             "errors": sum(errors.values()), "groups_seen_by_both": len(both),
             "agreement": sum(o * n for o, n in zip(overlap, sizes, strict=True)) / sum(sizes),
             "groups_agreeing_95": sum(o >= 0.95 for o in overlap) / len(both),
-            "modal_share": sum(m * n for m, n in zip(modal, sizes, strict=True)) / sum(sizes)}
+            "modal_share": sum(m * n for m, n in zip(modal, sizes, strict=True)) / sum(sizes),
+            "groups_modal_95": sum(m >= 0.95 for m in modal) / len(both),
+            "groups_over_fair_share": len(both) - len(fitting),
+            "fitting_groups_modal_95": sum(m >= 0.95 for m in fitting) / len(fitting) if fitting else None}
 
 
 async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_tokens: int, kv_share: float,
@@ -430,7 +439,8 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
     pairs: dict[str, Any] = {}
     for arm, got in pairs_raw.items():
         if got:
-            pairs[arm] = {k: statistics.median(g[k] for g in got) for k in got[0]}
+            pairs[arm] = {k: statistics.median(v) if (v := [g[k] for g in got if g[k] is not None]) else None
+                          for k in got[0]}
             pairs[arm]["hit_rate_vs_one"] = pairs[arm]["hit_rate"] / med[arm]["hit_rate"]
     h_star = statistics.median(ceilings)
     rr = med["RR"]

@@ -101,9 +101,13 @@ def test_round_robin_least_loaded_and_names():
         ConsistentHash(epsilon=-0.1)
 
 
+# The next three weigh every hit as it is (spread_share=None): one request, alone in a fresh
+# policy's popularity window, would look rare and stay put whatever the loads.
+
+
 def test_cost_follows_the_mirror_and_keeps_a_new_prefix_together_before_its_first_dispatch():
     states = replicas(3)
-    policy = CostPlacement(route_prefix_tokens=16)
+    policy = CostPlacement(route_prefix_tokens=16, spread_share=None)
     cached = ticket([3] * 16 + [1, 1, 1, 1])
     states[2].mirror.insert(cached.block_hashes[:4])
     assert policy.place(ticket([3] * 16 + [2, 2, 2, 2], "x"), states) == 2
@@ -129,8 +133,10 @@ def test_bounded_cost_leaves_a_replica_at_its_load_bound_whatever_it_holds():
     states[2].load = 5  # the bound with epsilon 0.1, margin 1: ceil(1.1 * 6 / 3) + 1 = 4
     hot = ticket([3] * 16 + [2, 2, 2, 2], "x")
     # Requests in flight not counted, so that only the bound can move it.
-    assert CostPlacement(route_prefix_tokens=16, request_tokens=0).place(hot, states) == 2  # unbounded
-    bounded = CostPlacement(route_prefix_tokens=16, epsilon=0.1, margin=1, request_tokens=0)
+    unbounded = CostPlacement(route_prefix_tokens=16, spread_share=None, request_tokens=0)
+    assert unbounded.place(hot, states) == 2
+    bounded = CostPlacement(route_prefix_tokens=16, spread_share=None, epsilon=0.1, margin=1,
+                            request_tokens=0)
     assert bounded.place(hot, states) != 2
     states[2].load = 2  # the bound: ceil(1.1 * 3 / 3) + 1 = 3
     assert bounded.place(hot, states) == 2  # under its bound again: the hit wins
@@ -142,20 +148,46 @@ def test_cost_can_count_requests_in_flight_not_only_their_uncached_tokens():
     states[1].mirror.insert(cached.block_hashes[:4])
     states[1].load = 100  # a hundred requests that hit everything: no uncached tokens pending
     hot = ticket([3] * 16 + [2, 2, 2, 2], "x")
-    assert CostPlacement(route_prefix_tokens=16, request_tokens=0).place(hot, states) == 1
+    assert CostPlacement(route_prefix_tokens=16, spread_share=None, request_tokens=0).place(hot, states) == 1
     # 100 requests x 8 tokens x weight 0.1 = 80 > the 16 tokens the hit saves: the other replica
-    assert CostPlacement(route_prefix_tokens=16, request_tokens=8).place(hot, states) == 0
+    assert CostPlacement(route_prefix_tokens=16, spread_share=None, request_tokens=8).place(hot, states) == 0
     # The default: each request counts half this prompt (10 tokens, 1 once weighted), so the
     # request leaves its 16-token hit once more than 16 requests are in flight there.
     states[1].load = 15
-    assert CostPlacement(route_prefix_tokens=16).place(hot, states) == 1
+    assert CostPlacement(route_prefix_tokens=16, spread_share=None).place(hot, states) == 1
     states[1].load = 20
-    assert CostPlacement(route_prefix_tokens=16).place(hot, states) == 0
-    assert CostPlacement(route_prefix_tokens=16, request_share=0.0).place(hot, states) == 1
+    assert CostPlacement(route_prefix_tokens=16, spread_share=None).place(hot, states) == 0
+    assert CostPlacement(route_prefix_tokens=16, spread_share=None, request_share=0.0).place(hot, states) == 1
     with pytest.raises(ValueError, match="request_tokens"):
         CostPlacement(request_tokens=-1)
     with pytest.raises(ValueError, match="request_share"):
         CostPlacement(request_share=-0.5)
+
+
+def test_cost_spreads_a_popular_prefix_and_keeps_a_rare_one_whole():
+    """A request leaves the replica holding its prefix past a load gap scaled by how rare the
+    prefix is lately: the popular prefix evens the loads, the rare one is not split."""
+    states = replicas(2)
+    rare, hot = [3] * 16, [7] * 16
+    states[1].mirror.insert(ticket([*rare, 1, 1, 1, 1]).block_hashes[:4])
+    states[1].mirror.insert(ticket([*hot, 1, 1, 1, 1]).block_hashes[:4])
+    states[1].load = 20  # past the plain gap for a 16-token hit (see the test above)
+    plain = CostPlacement(route_prefix_tokens=16, spread_share=None)
+    assert plain.place(ticket([*rare, 2, 2, 2, 2], "a"), states) == 0
+    policy = CostPlacement(route_prefix_tokens=16, window=8)  # 16 requests over 2 replicas
+    # 1 in a window of 16 against a fair share of 8: its hit weighs 0.5 x 8 / 1 = 4 times more
+    assert policy.place(ticket([*rare, 2, 2, 2, 2], "a"), states) == 1
+    for i in range(7):
+        policy.place(ticket([*hot, i, i, i, 9], f"h{i}"), states)
+    # The hot prefix's 8th request: a full replica's share, its hit weighs half: it spreads.
+    assert policy.place(ticket([*hot, 8, 8, 8, 8], "h8"), states) == 0
+    assert policy.place(ticket([*rare, 3, 3, 3, 3], "b"), states) == 1  # 2 of 16: still stays
+    states[1].load = 400  # a gap far past what even a rare prefix's hit is worth: it goes
+    assert policy.place(ticket([*rare, 4, 4, 4, 4], "c"), states) == 0
+    with pytest.raises(ValueError, match="spread_share"):
+        CostPlacement(spread_share=0)
+    with pytest.raises(ValueError, match="window"):
+        CostPlacement(window=0)
 
 
 def test_prefix_key_depth_and_short_prompts():

