@@ -9,6 +9,8 @@ import random
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixgate import (
     ConsistentHash,
@@ -166,7 +168,7 @@ def test_cost_can_count_requests_in_flight_not_only_their_uncached_tokens():
 
 def test_cost_spreads_a_popular_prefix_and_keeps_a_rare_one_whole():
     """A request leaves the replica holding its prefix past a load gap scaled by how rare the
-    prefix is lately: the popular prefix evens the loads, the rare one is not split."""
+    prefix is lately, as far as popular prefixes are there to even the loads instead."""
     states = replicas(2)
     rare, hot = [3] * 16, [7] * 16
     states[1].mirror.insert(ticket([*rare, 1, 1, 1, 1]).block_hashes[:4])
@@ -174,20 +176,36 @@ def test_cost_spreads_a_popular_prefix_and_keeps_a_rare_one_whole():
     states[1].load = 20  # past the plain gap for a 16-token hit (see the test above)
     plain = CostPlacement(route_prefix_tokens=16, spread_share=None)
     assert plain.place(ticket([*rare, 2, 2, 2, 2], "a"), states) == 0
-    policy = CostPlacement(route_prefix_tokens=16, window=8)  # 16 requests over 2 replicas
-    # 1 in a window of 16 against a fair share of 8: its hit weighs 0.5 x 8 / 1 = 4 times more
-    assert policy.place(ticket([*rare, 2, 2, 2, 2], "a"), states) == 1
-    for i in range(7):
+    # A window of 16 requests over 2 replicas; a prefix is popular from 4 of them (half of a
+    # replica's 8). No popular prefix yet: nothing else could even the loads, so it leaves.
+    policy = CostPlacement(route_prefix_tokens=16, window=8)
+    assert policy.place(ticket([*rare, 2, 2, 2, 2], "a"), states) == 0
+    for i in range(3):
         policy.place(ticket([*hot, i, i, i, 9], f"h{i}"), states)
-    # The hot prefix's 8th request: a full replica's share, its hit weighs half: it spreads.
-    assert policy.place(ticket([*hot, 8, 8, 8, 8], "h8"), states) == 0
-    assert policy.place(ticket([*rare, 3, 3, 3, 3], "b"), states) == 1  # 2 of 16: still stays
+    assert policy.place(ticket([*hot, 8, 8, 8, 8], "h3"), states) == 0  # popular now: it spreads
+    # 4 of the 6 requests so far are popular: a rare prefix (2 of them) is held whole, its hit
+    # weighing 4 / 2 = 2 times as much: a gap of 20 requests is not enough to leave.
+    assert policy.place(ticket([*rare, 3, 3, 3, 3], "b"), states) == 1
     states[1].load = 400  # a gap far past what even a rare prefix's hit is worth: it goes
     assert policy.place(ticket([*rare, 4, 4, 4, 4], "c"), states) == 0
     with pytest.raises(ValueError, match="spread_share"):
         CostPlacement(spread_share=0)
     with pytest.raises(ValueError, match="window"):
         CostPlacement(window=0)
+    with pytest.raises(ValueError, match="fluid_share"):
+        CostPlacement(fluid_share=0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=80), st.integers(1, 6), st.sampled_from([0.25, 0.5, 1.0]))
+def test_the_popularity_window_counts_popular_requests_exactly(keys, window, share):
+    policy = CostPlacement(route_prefix_tokens=16, window=window, spread_share=share)
+    states = replicas(2)
+    for n, k in enumerate(keys):
+        policy.place(ticket([k] * 16 + [n % 7] * 4, f"r{n}"), states)
+        counts = collections.Counter(policy._recent)
+        assert counts == policy._counts and len(policy._recent) <= 2 * window
+        assert policy._popular == sum(c for c in counts.values() if c >= share * window)
 
 
 def test_prefix_key_depth_and_short_prompts():

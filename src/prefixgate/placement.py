@@ -283,56 +283,76 @@ class CostPlacement:
             replica's fair share of the requests weighs its hits as they are, a rarer one needs
             a gap as many times larger (so it stays whole), a popular one spreads sooner (it
             must: more than a replica's share cannot fit one replica, and the hot prefixes are
-            what evens the loads). ``None``: every prefix weighs its hits as they are (the
-            placement before this option). With 0.5 (the default) on the simulated W5 at
-            4-64 replicas (Zipf, seed 0), one gateway split 3-17 prefix groups over replicas
-            against 2-102, and with two independent gateways 93-96% of the groups had >= 95%
-            of their requests on one replica, against 72-86%.
+            what evens the loads). A rare prefix is held whole only as far as popular ones
+            (those at ``spread_share`` of a replica's share or more) make up ``fluid_share`` of
+            the window: with none (even popularity) every prefix weighs its hits as they are,
+            since then only splitting some of them evens the loads. ``None``: every prefix
+            weighs its hits as they are (the placement before this option). With 0.5 (the
+            default) on the simulated W5 at 4-64 replicas (Zipf, seed 0), one gateway split
+            2-17 prefix groups over replicas against 2-102, and with two independent gateways
+            91-96% of the groups had >= 95% of their requests on one replica, against 72-86%.
         window: Requests per live replica in the popularity window (``window * n`` in all).
+        fluid_share: The share of the window's requests that popular prefixes must make up for
+            a rare prefix to be held whole (see ``spread_share``); below it, held in proportion.
 
     Raises:
-        ValueError: If ``weight``, ``request_share``, ``request_tokens`` or ``spread_share``
-            < 0, ``window`` < 1, or ``route_prefix_tokens`` < 1.
+        ValueError: If ``weight``, ``request_share`` or ``request_tokens`` < 0, ``spread_share``
+            or ``fluid_share`` <= 0, ``window`` < 1, or ``route_prefix_tokens`` < 1.
     """
 
     def __init__(self, *, weight: float = 0.1, route_prefix_tokens: int = 256,
                  epsilon: float | None = None, margin: int = 1, request_share: float = 0.5,
                  request_tokens: int | None = None, spread_share: float | None = 0.5,
-                 window: int = 32) -> None:
+                 window: int = 32, fluid_share: float = 0.25) -> None:
         if not (weight >= 0 and request_share >= 0) or (request_tokens is not None and request_tokens < 0):
             raise ValueError(f"CostPlacement needs weight, request_share and request_tokens >= 0, got "
                              f"{weight}, {request_share}, {request_tokens}")
-        if (spread_share is not None and not spread_share > 0) or window < 1:
-            raise ValueError(f"CostPlacement needs spread_share > 0 (or None) and window >= 1, got "
-                             f"{spread_share}, {window}")
+        if (spread_share is not None and not spread_share > 0) or window < 1 or not fluid_share > 0:
+            raise ValueError(f"CostPlacement needs spread_share > 0 (or None), window >= 1 and "
+                             f"fluid_share > 0, got {spread_share}, {window}, {fluid_share}")
         self.weight = weight
         self.request_share = request_share
         self.request_tokens = request_tokens
         self.spread_share = spread_share
         self.window = window
+        self.fluid_share = fluid_share
         self.epsilon = epsilon
         self.ring = ConsistentHash(route_prefix_tokens=route_prefix_tokens,
                                    epsilon=0.0 if epsilon is None else epsilon, margin=margin)
         self._recent: collections.deque[int] = collections.deque()
         self._counts: collections.Counter[int] = collections.Counter()
+        self._popular = 0  # requests in the window whose prefix is popular (count >= threshold)
 
     def _spread(self, ticket: Ticket, replicas: Sequence[ReplicaState], live: int) -> float:
         """Records ``ticket``'s prefix key in the popularity window; returns the factor its
-        hits are weighed by against leaving (``(spread_share / live) / share``)."""
+        hits are weighed by against leaving (see ``spread_share``)."""
         if self.spread_share is None:
             return 1.0
         key = prefix_key(ticket, self.ring.route_prefix_tokens, replicas[0].block_size)
         recent, counts, size = self._recent, self._counts, self.window * live
+        # A prefix is popular at spread_share of a replica's fair share of the window, that is
+        # at this count (whatever the number of replicas); when it becomes so, all its
+        # requests in the window count as popular, and when it stops, they all stop.
+        threshold = self.spread_share * self.window
         recent.append(key)
-        counts[key] += 1
+        count = counts[key] = counts[key] + 1
+        if count >= threshold:
+            self._popular += count if count - 1 < threshold else 1
         while len(recent) > size:
             old = recent.popleft()
-            counts[old] -= 1
-            if not counts[old]:
+            count = counts[old]
+            if count >= threshold:
+                self._popular -= count if count - 1 < threshold else 1
+            if count == 1:
                 del counts[old]
+            else:
+                counts[old] = count - 1
         # Over the whole window from the start: early in a burst, a prefix seen twice in the
         # first few requests is not yet popular.
-        return self.spread_share * size / (live * counts[key])
+        factor = threshold / counts[key]
+        if factor > 1.0:  # a rare prefix: held whole as far as popular ones can even the loads
+            factor = 1.0 + (factor - 1.0) * min(1.0, self._popular / (self.fluid_share * len(recent)))
+        return factor
 
     def place(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
         prompt = ticket.num_prompt_tokens
