@@ -242,8 +242,11 @@ class CostPlacement:
     the loads even out through the requests that follow (a request leaves the replica that
     holds its prefix once the work waiting there, weighed by ``weight``, exceeds another
     replica's by more than the tokens it would hit: a hit saves its tokens, work ahead only
-    delays). On the simulated W5, bounding the cold placement's load too split two gateways'
-    placements more (agreement 0.51 against 0.61) for no better balance.
+    delays). What that hit counts for depends on how popular the prefix is lately
+    (``spread_share``): the popular prefixes spread and even the loads, the rest stay whole,
+    which is also what lets independent gateways keep a group on one replica. On the simulated
+    W5, bounding the cold placement's load too split two gateways' placements more (agreement
+    0.51 against 0.61) for no better balance.
 
     Args:
         weight: One uncached prompt token already placed on a replica (and not ended) counts
