@@ -189,11 +189,17 @@ class ConsistentHash:
         self._points = [p for p, _ in ring]
         self._owners = [i for _, i in ring]
 
-    def walk(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> Iterator[int]:
-        """The replicas' indexes in ring order from ``ticket``'s key, each once, lazily (a
-        placement usually needs only the first few)."""
+    def key(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
+        """``ticket``'s position on the ring (:func:`prefix_key` at ``route_prefix_tokens``)."""
+        return prefix_key(ticket, self.route_prefix_tokens, replicas[0].block_size)
+
+    def walk(self, ticket: Ticket, replicas: Sequence[ReplicaState],
+             key: int | None = None) -> Iterator[int]:
+        """The replicas' indexes in ring order from ``ticket``'s key (``key``, if the caller
+        has it already), each once, lazily (a placement usually needs only the first few)."""
         self._ring(replicas)
-        key = prefix_key(ticket, self.route_prefix_tokens, replicas[0].block_size)
+        if key is None:
+            key = self.key(ticket, replicas)
         start = bisect.bisect_right(self._points, key)
         owners, seen = self._owners, set()
         for k in range(len(owners)):
@@ -204,9 +210,9 @@ class ConsistentHash:
                 if len(seen) == len(replicas):
                     return
 
-    def order(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> list[int]:
+    def order(self, ticket: Ticket, replicas: Sequence[ReplicaState], key: int | None = None) -> list[int]:
         """The replicas' indexes in ring order from ``ticket``'s key, each once."""
-        return list(self.walk(ticket, replicas))
+        return list(self.walk(ticket, replicas, key))
 
     def bound(self, replicas: Sequence[ReplicaState]) -> int:
         """The load a live replica must stay under to take one more request."""
@@ -326,12 +332,11 @@ class CostPlacement:
         self._counts: collections.Counter[int] = collections.Counter()
         self._popular = 0  # requests in the window whose prefix is popular (count >= threshold)
 
-    def _spread(self, ticket: Ticket, replicas: Sequence[ReplicaState], live: int) -> float:
-        """Records ``ticket``'s prefix key in the popularity window; returns the factor its
+    def _spread(self, key: int, live: int) -> float:
+        """Records a request's prefix ``key`` in the popularity window; returns the factor its
         hits are weighed by against leaving (see ``spread_share``)."""
         if self.spread_share is None:
             return 1.0
-        key = prefix_key(ticket, self.ring.route_prefix_tokens, replicas[0].block_size)
         recent, counts, size = self._recent, self._counts, self.window * live
         # A prefix is popular at spread_share of a replica's fair share of the window, that is
         # at this count (whatever the number of replicas); when it becomes so, all its
@@ -360,11 +365,12 @@ class CostPlacement:
     def place(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
         prompt = ticket.num_prompt_tokens
         per_request = self.request_share * prompt if self.request_tokens is None else self.request_tokens
-        spread = self._spread(ticket, replicas, sum(r.alive for r in replicas))
+        key = self.ring.key(ticket, replicas)
+        spread = self._spread(key, sum(r.alive for r in replicas))
         best, best_score, first, warm_hit = -1, math.inf, -1, 0
         cold, cold_score = -1, math.inf
         bound = self.ring.bound(replicas) if self.epsilon is not None else None
-        for i in self.ring.order(ticket, replicas):
+        for i in self.ring.order(ticket, replicas, key):
             r = replicas[i]
             if not r.alive or (bound is not None and r.load >= bound):
                 continue
