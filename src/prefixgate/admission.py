@@ -87,6 +87,10 @@ class BlockLedger:
         _, shared, private = self._held.get(id(ticket), (None, 0, 0))
         return shared + private
 
+    def in_use(self, key: Hashable) -> bool:
+        """Whether a reservation holds the shared block ``key``. Pure."""
+        return key in self._tree.index
+
     def need(self, shared: Sequence[Hashable], private: int) -> int:
         """Blocks a reservation of ``shared`` keys (a chain of whole-prefix keys) and
         ``private`` blocks would add now. Pure."""

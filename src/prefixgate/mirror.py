@@ -3,16 +3,17 @@
 The engine does not say which blocks it holds; it does not need to. Every block that enters it
 went through the gateway, so the gateway records the block keys of each dispatched prompt (and,
 on completion, of the prompt plus its output, which vLLM caches too) in an LRU capped at the
-engine's block capacity. When nothing has been evicted this predicts the engine's
-``num_cached_tokens`` exactly (a test checks it against vLLM); under pressure it is a bounded
-estimate, since the engine's LRU also keeps blocks of running requests pinned.
+engine's block capacity, never evicting what running requests use (the ledger says which). When
+nothing has been evicted this predicts the engine's ``num_cached_tokens`` exactly (a test checks
+it against vLLM); under pressure it is an estimate, since running requests also hold blocks no
+prompt chain names (a partial last block, the output being written).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from .chains import ChainTree, Run
 from .keys import BlockHash
@@ -31,20 +32,31 @@ class PrefixMirror:
     goes): the order of a per-block LRU, for a few steps per chain instead of one per block.
     Matching is a walk with a binary search per run.
 
-    Invariant: ``len(self) <= capacity``; every resident key's chain prefix is resident; blocks
-    leave in least-recently-used order, a chain's tail before its head.
+    Invariant: ``len(self) <= capacity`` unless more keys than that are in use (the ledger's
+    lookahead lets reservations pass the capacity); every resident key's chain prefix is
+    resident; blocks not in use leave in least-recently-used order, a chain's tail before its
+    head.
+
+    vLLM never evicts a block a running request uses, however old: with ``in_use``, the
+    mirror does not either. A run whose leading keys are in use loses only its tail; one wholly
+    in use waits (it becomes most recently used when its request ends and the gateway records
+    it). Without this, a prefix dispatched early to a long request counts as the oldest: the
+    mirror drops it while the engine keeps it, and keeps instead a prefix the engine evicts.
 
     Args:
         capacity: The most keys held; the engine's KV capacity in blocks.
+        in_use: Whether a running request uses the block ``key`` (the replica passes its
+            ledger's); ``None``: none is.
 
     Raises:
         ValueError: If ``capacity`` is negative.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, in_use: Callable[[Hashable], bool] | None = None) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
+        self.in_use = in_use
         self._tree = ChainTree()
         self._leaves: list[tuple[int, int, Run]] = []  # (stamp, seq, leaf run); stale ones skipped
         self._seq = itertools.count()
@@ -58,6 +70,10 @@ class PrefixMirror:
     def match(self, hashes: Sequence[BlockHash], limit: int | None = None) -> int:
         """Counts the leading ``hashes`` that are resident, up to ``limit`` blocks. Pure."""
         return self._tree.match(hashes, limit)[0]
+
+    def holds(self, key: BlockHash) -> bool:
+        """Whether the block ``key`` (and so its whole prefix) is resident. Pure."""
+        return key in self._tree.index
 
     def insert(self, hashes: Sequence[BlockHash]) -> None:
         """Marks the chain ``hashes`` resident and most recently used, evicting the least
@@ -79,21 +95,49 @@ class PrefixMirror:
 
     def _evict(self) -> None:
         tree, leaves = self._tree, self._leaves
+        waiting: list[Run] = []  # leaf runs in use now, put back once done
         while tree.size > self.capacity and leaves:
             stamp, _, run = heapq.heappop(leaves)
             if not run.alive or run.kids or run.stamp != stamp:
                 continue  # stale: it went, grew a kid or was used again
+            used = self._used(run.keys)
+            if used == len(run.keys):
+                waiting.append(run)
+                continue
             excess = tree.size - self.capacity
-            if excess < len(run.keys):
+            if excess < len(run.keys) - used:
                 self.evictions += tree.trim(run, len(run.keys) - excess)
                 self._push(run)
-                return
+                break
+            if used:
+                self.evictions += tree.trim(run, used)
+                waiting.append(run)
+                continue
             parent = run.parent
             self.evictions += tree.remove(run)
             if parent is not None:
                 parent.stamp = max(parent.stamp, stamp)
                 if not parent.kids:
                     self._push(parent)
+        for run in waiting:
+            heapq.heappush(self._leaves, (run.stamp, next(self._seq), run))
+
+    def _used(self, keys: Sequence[Hashable]) -> int:
+        """How many leading ``keys`` a running request uses (keys stand for their whole prefix,
+        so those in use lead the run)."""
+        in_use = self.in_use
+        if in_use is None or not in_use(keys[0]):
+            return 0
+        if in_use(keys[-1]):
+            return len(keys)
+        lo, hi = 1, len(keys) - 1  # keys[lo - 1] is in use, keys[hi] is not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if in_use(keys[mid]):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def _rebuild(self) -> None:
         """Drops stale heap entries (they pile up as chains are used again and again)."""
