@@ -77,6 +77,27 @@ async def test_prefix_ordering_returns_to_a_resident_prefix_after_a_group_ends()
     assert engine.started[2] == "hot"  # newest, but its prefix is resident
 
 
+async def test_a_sibling_that_joins_after_its_group_was_left_goes_at_the_next_group_end():
+    """The walk left the resident group (another group started since); a sibling that joins
+    then, newer than the oldest few waiting, still goes first when a group ends: it would
+    otherwise wait for the walk to come round, and by then the engine may have evicted it."""
+    engine = FakeEngine(block_size=4, step=asyncio.Event())
+    gw = Gateway(engine, GatewayConfig(ordering="prefix", max_in_flight=2, min_aging_wait=60))
+    warm = "resident doc " * 4
+    first = [asyncio.create_task(drain(gw.generate(warm + "first", SP, request_id="warm"))),
+             asyncio.create_task(drain(gw.generate("other group " * 6, SP, request_id="other")))]
+    await run_until_idle()
+    assert engine.started == ["warm", "other"]
+    cold = [asyncio.create_task(drain(gw.generate(f"cold {i} " * 6, SP, request_id=f"cold{i}")))
+            for i in range(10)]
+    await run_until_idle()
+    hot = asyncio.create_task(drain(gw.generate(warm + "second", SP, request_id="hot")))
+    await run_until_idle()
+    engine.step.set()
+    await asyncio.gather(*first, *cold, hot)
+    assert engine.started[2] == "hot"  # newest of eleven waiting, but its group is resident
+
+
 async def test_aging_bound_is_deterministic_with_a_fake_clock():
     """A cold request that the prefix policy keeps passing over (a hot sibling is always
     waiting) goes first at the first decision where newer requests have overtaken it and its

@@ -80,6 +80,7 @@ __all__ = [
 ]
 
 _RESIDENT_LOOKAHEAD = 8  # oldest tickets checked for a resident prefix when a group ends
+_WARM_LOOKAHEAD = 64  # tickets that arrived to a resident prefix, checked when a group ends
 
 
 class WaitingQueue:
@@ -97,6 +98,9 @@ class WaitingQueue:
         self.policy = policy
         self._items: SortedKeyList = SortedKeyList(key=_queue_key)
         self._arrivals: deque[Ticket] = deque()
+        self.warm: deque[Ticket] = deque()
+        """Tickets that arrived while half their cacheable prefix was resident in the engine
+        (per the mirror), oldest first; dispatched ones are dropped lazily."""
 
     def __len__(self) -> int:
         return len(self._items)
@@ -104,10 +108,15 @@ class WaitingQueue:
     def __iter__(self) -> Iterator[Ticket]:
         return iter(self._items)
 
-    def add(self, ticket: Ticket) -> None:
+    def add(self, ticket: Ticket, warm: bool = False) -> None:
+        """Queues ``ticket``; ``warm``: its prefix is resident (see :attr:`warm`)."""
         ticket.enqueue(self.policy.sort_key(ticket))
         self._items.add(ticket)
         self._arrivals.append(ticket)
+        if warm:
+            self.warm.append(ticket)
+            if len(self.warm) > 2 * len(self._items) + 16:  # riders went without a pick
+                self.warm = deque(t for t in self.warm if t.state is TicketState.QUEUED)
 
     def remove(self, ticket: Ticket) -> None:
         """Removes ``ticket``, which waits here."""
@@ -325,13 +334,15 @@ class Scheduler:
                             retry_after=wait if wait is not None else 1.0, reason=Reason.QUEUE_FULL)
         state = self._state(ticket.tenant)
         queue = state.queue
+        half = (ticket.cacheable_blocks + 1) // 2
+        warm = self.circular and half > 0 and self.mirror.holds(ticket.block_hashes[half - 1])
         if queue is None:
             queue = state.queue = self._spare.pop() if self._spare else WaitingQueue(self.policy)
             self._queued_tenants += 1
-            queue.add(ticket)
+            queue.add(ticket, warm)
             self._rerank(state)
         else:
-            queue.add(ticket)
+            queue.add(ticket, warm)
             if self.global_order and queue.first() is ticket:
                 self._rerank(state)  # its smallest key changed
         if self.global_order:
@@ -376,6 +387,7 @@ class Scheduler:
                 self._rank.remove(state.entry)
                 state.entry = None
             queue._arrivals.clear()
+            queue.warm.clear()
             if len(self._spare) < 16:
                 self._spare.append(queue)
 
@@ -455,18 +467,41 @@ class Scheduler:
         return None
 
     def _pick(self, state: _Tenant, queue: WaitingQueue) -> Ticket:
+        """A group ended: the walk's next ticket, unless another has more of its prefix resident
+        in the engine (per the mirror). Candidates: the oldest few, and the first few of those
+        that arrived to a resident prefix. These are a group's late siblings: in a burst the
+        first arrivals are dispatched as they come, one or two per group, until the KV cache
+        fills; the rest of each group arrives after and waits. Left to the walk, a sibling
+        waits for its group's turn in key order, by when the engine may have evicted the
+        prefix its group loaded (and a cold group dispatched first evicts it)."""
         if not self.circular or state.last_key is None:
             return queue.first()
         ticket = queue.after(state.last_key)
-        # A group ended: prefer an old ticket whose prefix the engine still holds.
-        best, best_hits = ticket, self.mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
+        mirror = self.mirror
+        best, best_hits = ticket, mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
         for i, other in enumerate(queue.by_age()):
             if i >= _RESIDENT_LOOKAHEAD:
                 break
             if other is not ticket:
-                hits = self.mirror.match(other.block_hashes, other.cacheable_blocks)
+                hits = mirror.match(other.block_hashes, other.cacheable_blocks)
                 if hits > best_hits:
                     best, best_hits = other, hits
+        warm = queue.warm
+        if warm:
+            kept: list[Ticket] = []
+            checked = 0
+            while warm and checked < _WARM_LOOKAHEAD:
+                other = warm.popleft()
+                if other.state is not TicketState.QUEUED:
+                    continue  # dispatched or gone since
+                checked += 1
+                hits = mirror.match(other.block_hashes, other.cacheable_blocks)
+                if hits == 0:
+                    continue  # evicted since: the walk will come to it
+                kept.append(other)
+                if hits > best_hits:
+                    best, best_hits = other, hits
+            warm.extendleft(reversed(kept))
         return best
 
     def choose(self) -> Ticket | None:
