@@ -16,7 +16,8 @@ and their prefix caches reset before each arm.
 Each case is ``N`` SimEngine replicas (the H200 Llama-3.2-1B profile, ``gpu-1b``), one virtual
 clock, and the W5 trace scaled to them: ``16 N`` prefix groups (``--prefix-tokens`` each, a
 64-token question, 32 output tokens), 8 requests a group on average, Zipf (α = 1.1) or even
-popularity, all sent at once (a burst, shuffled). Each replica's KV is capped at
+popularity, all sent at once (a burst, shuffled; with ``--arrival-spread S``, sent evenly over
+``S`` seconds of the engines' clock instead). Each replica's KV is capped at
 ``--kv-share`` × (the working set / N): the working set (every group's prefix) is several times
 what one replica holds, and a single cache of all the replicas' KV would hold it all.
 
@@ -46,7 +47,11 @@ KV together holds the working set, so it is also the single big cache's).
 
 The simulator's clock charges the engines' steps (the fitted ``gpu-1b`` step model) but not the
 gateway's own CPU: one event loop in front of many replicas is a cost this benchmark does not
-show (the M1 overhead benchmark measures it per request).
+show (the M1 overhead benchmark measures it per request). Nor the time ingress takes to prepare a
+burst: on the H200 W5's 512 prompts reach the gateway's queues over ~0.5-1 s of an 8-10 s run,
+the first ones dispatched as they come, one or two per group, until the KV cache fills.
+``--arrival-spread`` stands in for that in the simulator (``--groups 64 --kv-share 0.75
+--replicas 2`` is the H200 case's shape; its run lasts ~1.6 s virtual).
 """
 
 from __future__ import annotations
@@ -250,9 +255,11 @@ def _imbalance(loads: Sequence[float]) -> float | None:
     return max(loads) / mean if mean else None
 
 
-async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[str, Any]:
+async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0,
+                  spread: float = 0.0) -> dict[str, Any]:
     """One arm of one case on ``pool``'s engines; its metrics (requests that fail are counted
-    and their errors kept, not raised)."""
+    and their errors kept, not raised). The requests are sent evenly over ``spread`` seconds of
+    the engines' clock (0: at once)."""
     from prefixgate import Gateway, GatewayConfig
 
     engines, clock = await pool.get()
@@ -277,6 +284,8 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
     if arm == "RR":
         async def bare(n: int, i: int, req: Any) -> None:
             engine = engines[n % replicas]
+            if spread:
+                await clock.sleep(n * spread / len(requests))
             try:
                 last = await _drain(engine.generate(_request(engine, f"{tag}-{i}", req.prompt,
                                                              pool.params(req.max_tokens))))
@@ -291,8 +300,10 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
     else:
         recorder = _Recorder(_policy(arm))
         async with Gateway(engines, GatewayConfig(placement=recorder), clock=clock) as gw:
-            async def through(i: int, req: Any) -> None:
+            async def through(k: int, i: int, req: Any) -> None:
                 rid = f"{tag}-{i}"
+                if spread:
+                    await clock.sleep(k * spread / len(requests))
                 try:
                     last = await _drain(gw.generate(req.prompt, pool.params(req.max_tokens), request_id=rid))
                 except Exception as e:
@@ -302,7 +313,7 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0) -> dict[s
                 homes[req.group].add(recorder.placed[rid])
                 results.append(last)
 
-            await asyncio.gather(*(through(i, req) for i, req in requests))
+            await asyncio.gather(*(through(k, i, req) for k, (i, req) in enumerate(requests)))
             sampler.cancel()
             gw_stats = gw.statistics()
     makespan = clock.now() - start
@@ -348,9 +359,11 @@ def _policy(arm: str) -> Any:
     return make_placement(PLACEMENT[arm])
 
 
-async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0) -> dict[str, Any]:
+async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
+                   spread: float = 0.0) -> dict[str, Any]:
     """Two independent gateways over the same engines, each sent every other request of the
-    (shuffled) trace at once: where each put each prefix group, and the hit rate of the pair."""
+    (shuffled) trace at once (or evenly over ``spread`` seconds): where each put each prefix
+    group, and the hit rate of the pair."""
     from prefixgate import Gateway, GatewayConfig
 
     engines, clock = await pool.get()
@@ -367,6 +380,8 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0) ->
         async def through(k: int, i: int, req: Any) -> None:
             side = k % 2
             gw, rid = (a, b)[side], f"pair-{arm.replace(' ', '_')}-s{seed}-g{side}-{i}"
+            if spread:
+                await clock.sleep(k * spread / len(requests))
             try:
                 outs.append(await _drain(gw.generate(req.prompt, pool.params(req.max_tokens),
                                                      request_id=rid)))
@@ -404,11 +419,11 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0) ->
 
 async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_tokens: int, kv_share: float,
              tokenizer: Any, pair: bool = False, groups: int | None = None,
-             pool: Replicas | None = None) -> dict[str, Any]:
+             pool: Replicas | None = None, arrival_spread: float = 0.0) -> dict[str, Any]:
     """Every arm ``repeats`` times (seeds 0..) on one replica count and popularity; with
     ``pair``, also two independent gateways (:func:`run_pair`) for ``L`` and ``L ring``. On
     ``pool``'s engines (real ones), else on simulators whose KV is ``kv_share`` times a replica's
-    share of the working set."""
+    share of the working set. Requests are sent evenly over ``arrival_spread`` seconds."""
     from .ceiling import ceiling
 
     groups = groups or 16 * replicas
@@ -423,7 +438,7 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
         ceilings.append(ceiling([tokenizer.encode(r.prompt) for r in trace.requests],
                                 engines.block_size).hit_rate)
         for arm in ARMS:
-            r = await run_arm(arm, trace, engines, seed)
+            r = await run_arm(arm, trace, engines, seed, arrival_spread)
             runs[arm].append(r)
             if pool is not None:
                 print(f"  {replicas} {popularity} seed {seed} {arm}: {r['req_per_s']:.1f} req/s, hit "
@@ -432,7 +447,7 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
                       f"loop lag max {r['loop_lag_max_s']}", flush=True)
         if pair:
             for arm in pairs_raw:
-                pairs_raw[arm].append(await run_pair(trace, engines, arm, seed))
+                pairs_raw[arm].append(await run_pair(trace, engines, arm, seed, arrival_spread))
     med = {a: {k: statistics.median(r[k] for r in rs if r[k] is not None) for k in
                ("req_per_s", "hit_rate", "computed_prefill_tokens", "imbalance", "engine_imbalance")}
            for a, rs in runs.items()}
@@ -445,6 +460,7 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
     h_star = statistics.median(ceilings)
     rr = med["RR"]
     return {"replicas": replicas, "popularity": popularity, "groups": groups, "ceiling_hit_rate": h_star,
+            "arrival_spread": arrival_spread,
             "medians": med,
             "ratios": {a: {"req_per_s_vs_RR": m["req_per_s"] / rr["req_per_s"],
                            "hit_rate_vs_ceiling": m["hit_rate"] / h_star} for a, m in med.items()},
@@ -524,7 +540,8 @@ async def _cases(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any
                 cases.append(await run_case(
                     n, popularity, repeats=args.repeats, prefix_tokens=args.prefix_tokens,
                     kv_share=args.kv_share, tokenizer=tokenizer, groups=args.groups,
-                    pair=not args.no_pair and (popularity == "zipf" or args.pair_even), pool=pool))
+                    pair=not args.no_pair and (popularity == "zipf" or args.pair_even), pool=pool,
+                    arrival_spread=args.arrival_spread))
                 print(format_table(cases[-1:]), flush=True)
                 if args.json:  # so far, in case a later case does not finish
                     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -555,6 +572,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "(1B shape, as vllm)")
     p.add_argument("--groups", type=int, default=None, help="prefix groups (default 16 per replica)")
     p.add_argument("--kv-blocks", type=int, default=6000, help="vllm: each replica's KV blocks")
+    p.add_argument("--arrival-spread", type=float, default=0.0,
+                   help="send each arm's requests evenly over this many seconds of the engines' clock "
+                   "instead of at once (stands in for ingress time in the simulator)")
     p.add_argument("--tokenizer", type=Path, default=ROOT / "tests" / "fixtures" / "tiny-llama")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)

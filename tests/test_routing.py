@@ -394,6 +394,21 @@ async def test_the_w5_routing_benchmark_runs_every_arm_and_two_gateways_on_the_s
     assert "two gateways (L)" in format_table([case])
 
 
+async def test_the_w5_routing_benchmark_spreads_arrivals_over_the_given_seconds():
+    from transformers import AutoTokenizer
+
+    from benchmarks.routing import Replicas, _trace, run_arm
+
+    tokenizer = AutoTokenizer.from_pretrained("tests/fixtures/tiny-llama")
+    trace = _trace(4, "zipf", 256, 0, tokenizer)
+    pool = Replicas("sim", 2, tokenizer, kv_tokens=4096)
+    at_once = await run_arm("L", trace, pool, 0)
+    spread = await run_arm("L", trace, pool, 0, spread=30.0)
+    assert at_once["makespan_s"] < 30.0  # the trace's requests finish well inside 30 s at once
+    assert spread["makespan_s"] >= 30.0 * (len(trace.requests) - 1) / len(trace.requests)
+    assert spread["requests"] == at_once["requests"] == len(trace.requests)
+
+
 async def test_killing_a_replica_mid_run_loses_no_request_and_its_queue_completes_elsewhere():
     clock, engines = sims(4, num_blocks=64)  # KV for a few requests each: the rest queue
     prompts = group_prompts(12, 6)
