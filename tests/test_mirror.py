@@ -68,7 +68,8 @@ def test_matches_a_per_block_lru_that_keeps_blocks_in_use(capacity, ops):
     finished request's blocks, then no longer in use)."""
     in_use: Counter[str] = Counter()
     running: list[tuple[str, ...]] = []
-    mirror = PrefixMirror(capacity, in_use=lambda key: in_use[key] > 0)
+    mirror = PrefixMirror(capacity, in_use=lambda keys: next(
+        (i for i, key in enumerate(keys) if not in_use[key]), len(keys)))
     reference = BlockLru(capacity, in_use)
     for op, path in ops:
         chain = _chain(path)

@@ -87,9 +87,10 @@ class BlockLedger:
         _, shared, private = self._held.get(id(ticket), (None, 0, 0))
         return shared + private
 
-    def in_use(self, key: Hashable) -> bool:
-        """Whether a reservation holds the shared block ``key``. Pure."""
-        return key in self._tree.index
+    def held(self, keys: Sequence[Hashable]) -> int:
+        """How many leading ``keys`` (consecutive whole-prefix keys: a chain or a run of one)
+        reservations hold. Pure."""
+        return self._tree.match(keys)[0]
 
     def need(self, shared: Sequence[Hashable], private: int) -> int:
         """Blocks a reservation of ``shared`` keys (a chain of whole-prefix keys) and

@@ -37,7 +37,7 @@ class PrefixMirror:
     resident; blocks not in use leave in least-recently-used order, a chain's tail before its
     head.
 
-    vLLM never evicts a block a running request uses, however old: with ``in_use``, the
+    vLLM never evicts a block a running request uses, however old: given ``in_use``, the
     mirror does not either. A run whose leading keys are in use loses only its tail; one wholly
     in use waits (it becomes most recently used when its request ends and the gateway records
     it). Without this, a prefix dispatched early to a long request counts as the oldest: the
@@ -45,14 +45,16 @@ class PrefixMirror:
 
     Args:
         capacity: The most keys held; the engine's KV capacity in blocks.
-        in_use: Whether a running request uses the block ``key`` (the replica passes its
-            ledger's); ``None``: none is.
+        in_use: How many leading keys of a run of consecutive keys running requests use (the
+            replica passes its ledger's :meth:`~prefixgate.admission.BlockLedger.held`); keys
+            stand for their whole prefix, so those in use lead. ``None``: none are.
 
     Raises:
         ValueError: If ``capacity`` is negative.
     """
 
-    def __init__(self, capacity: int, in_use: Callable[[Hashable], bool] | None = None) -> None:
+    def __init__(self, capacity: int,
+                 in_use: Callable[[Sequence[Hashable]], int] | None = None) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
@@ -100,7 +102,7 @@ class PrefixMirror:
             stamp, _, run = heapq.heappop(leaves)
             if not run.alive or run.kids or run.stamp != stamp:
                 continue  # stale: it went, grew a kid or was used again
-            used = self._used(run.keys)
+            used = 0 if self.in_use is None else self.in_use(run.keys)
             if used == len(run.keys):
                 waiting.append(run)
                 continue
@@ -121,23 +123,6 @@ class PrefixMirror:
                     self._push(parent)
         for run in waiting:
             heapq.heappush(self._leaves, (run.stamp, next(self._seq), run))
-
-    def _used(self, keys: Sequence[Hashable]) -> int:
-        """How many leading ``keys`` a running request uses (keys stand for their whole prefix,
-        so those in use lead the run)."""
-        in_use = self.in_use
-        if in_use is None or not in_use(keys[0]):
-            return 0
-        if in_use(keys[-1]):
-            return len(keys)
-        lo, hi = 1, len(keys) - 1  # keys[lo - 1] is in use, keys[hi] is not
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if in_use(keys[mid]):
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
 
     def _rebuild(self) -> None:
         """Drops stale heap entries (they pile up as chains are used again and again)."""

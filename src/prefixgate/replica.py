@@ -59,7 +59,7 @@ class Replica:
         self.loop_lag = LoopLag(active=lambda: bool(self._running))
         """How late the event loop is, measured while requests are in flight (real clock only):
         KV stats that are late because the loop was are not taken for a silent engine."""
-        self.mirror = PrefixMirror(engine.num_blocks, in_use=lambda key: self.admission.ledger.in_use(key))
+        self.mirror = PrefixMirror(engine.num_blocks, in_use=lambda keys: self.admission.ledger.held(keys))
         capacity = int(engine.num_blocks * config.kv_budget)
         self.admission = Admission(
             BlockLedger(capacity, int(capacity * config.kv_lookahead)), block_size=engine.block_size,
