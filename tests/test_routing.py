@@ -178,7 +178,7 @@ def test_cost_spreads_a_popular_prefix_and_keeps_a_rare_one_whole():
     assert plain.place(ticket([*rare, 2, 2, 2, 2], "a"), states) == 0
     # A window of 16 requests over 2 replicas; a prefix is popular from 4 of them (half of a
     # replica's 8). No popular prefix yet: nothing else could even the loads, so it leaves.
-    policy = CostPlacement(route_prefix_tokens=16, window=8)
+    policy = CostPlacement(route_prefix_tokens=16, window=8, rare_floor=0.0)
     assert policy.place(ticket([*rare, 2, 2, 2, 2], "a"), states) == 0
     for i in range(3):
         policy.place(ticket([*hot, i, i, i, 9], f"h{i}"), states)
@@ -196,6 +196,54 @@ def test_cost_spreads_a_popular_prefix_and_keeps_a_rare_one_whole():
         CostPlacement(fluid_share=0)
 
 
+def test_a_rare_prefix_is_held_whole_by_its_floor_even_with_no_popular_prefix():
+    """With no popular prefix in the window, a rare one's hit still weighs ``1 + rare_floor *
+    (rarity - 1)``: here 1 + 0.25 * (4 - 1) = 1.75 times its 16 tokens, so it stays past the
+    plain gap (a load of 20) and leaves past the floor's (28 and more)."""
+    states = replicas(2)
+    rare = [3] * 16
+    states[1].mirror.insert(ticket([*rare, 1, 1, 1, 1]).block_hashes[:4])
+    request = ticket([*rare, 2, 2, 2, 2], "a")
+    states[1].load = 20
+    assert CostPlacement(route_prefix_tokens=16, window=8).place(request, states) == 1
+    states[1].load = 30
+    assert CostPlacement(route_prefix_tokens=16, window=8).place(request, states) == 0
+    with pytest.raises(ValueError, match="rare_floor"):
+        CostPlacement(rare_floor=1.5)
+
+
+def test_cold_prefixes_start_evenly_over_the_replicas_while_none_is_popular():
+    """The ring alone starts more new prefixes on some replicas than on others; with
+    ``cold_epsilon`` a new prefix passes a replica that already started its share of the
+    window's prefixes, so the counts stay even; a popular prefix in the window turns it off
+    (it evens the loads itself)."""
+    keys = [[k, k + 1] * 8 + [0] * 4 for k in range(64)]
+
+    def started(policy: CostPlacement, states: list[ReplicaState]) -> collections.Counter[int]:
+        return collections.Counter(policy.place(ticket(k, f"r{n}"), states) for n, k in enumerate(keys))
+
+    ring = started(CostPlacement(route_prefix_tokens=16, cold_epsilon=None), replicas(4))
+    assert max(ring.values()) - min(ring.values()) > 1  # the ring alone: 18 against 14
+    even = CostPlacement(route_prefix_tokens=16, cold_epsilon=0.0, cold_margin=0, cold_after=1)
+    got = started(even, replicas(4))
+    assert sum(got.values()) == 64 and max(got.values()) - min(got.values()) <= 1
+    assert sum(even._homes.values()) == 64
+    # Every other request is of a popular prefix: a new prefix goes where the ring says.
+    hot = [9] * 16
+    mixed = CostPlacement(route_prefix_tokens=16, cold_epsilon=0.0, cold_margin=0, cold_after=1)
+    ring_only = CostPlacement(route_prefix_tokens=16, cold_epsilon=None)
+    states, plain = replicas(4), replicas(4)
+    for n in range(16):  # popular from 16 of the window's 128 (half of a replica's 32)
+        mixed.place(ticket([*hot, n % 5, 1, 1, 1], f"p{n}"), states)
+    assert mixed._popular == 16
+    for n, k in enumerate(keys):
+        for policy, st_ in ((mixed, states), (ring_only, plain)):
+            policy.place(ticket([*hot, n % 5, 0, 0, 0], f"h{n}"), st_)
+        assert mixed.place(ticket(k, f"r{n}"), states) == ring_only.place(ticket(k, f"r{n}"), plain)
+    with pytest.raises(ValueError, match="cold_epsilon"):
+        CostPlacement(cold_epsilon=-0.1)
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.integers(0, 5), max_size=80), st.integers(1, 6), st.sampled_from([0.25, 0.5, 1.0]))
 def test_the_popularity_window_counts_popular_requests_exactly(keys, window, share):
@@ -206,6 +254,9 @@ def test_the_popularity_window_counts_popular_requests_exactly(keys, window, sha
         counts = collections.Counter(policy._recent)
         assert counts == policy._counts and len(policy._recent) <= 2 * window
         assert policy._popular == sum(c for c in counts.values() if c >= share * window)
+        # The prefixes started cold are counted while in the window, each on one replica.
+        assert set(policy._home) <= set(counts)
+        assert +policy._homes == collections.Counter(policy._home.values())
 
 
 def test_prefix_key_depth_and_short_prompts():

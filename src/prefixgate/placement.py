@@ -25,8 +25,11 @@ Built-in policies, by name (``GatewayConfig.placement``):
   one) goes to its replica on the ring, so independent gateways start a new prefix on the same
   replica and then each follows it there by its hits. A request leaves the replicas holding its
   prefix more readily the more popular the prefix is lately (``spread_share``): the popular
-  prefixes spread and even the loads, the rest stay whole. On the simulated W5 it kept more hits
-  than ``consistent_hash`` with more even loads (``benchmarks.routing``).
+  prefixes spread and even the loads, the rest stay whole. While no prefix is popular, new
+  prefixes start evenly over the replicas instead (``cold_epsilon``: past a replica that
+  already started its share), and a rare prefix leaves its replica only past a wide gap
+  (``rare_floor``). On the simulated W5 it kept more hits than ``consistent_hash`` with more
+  even loads (``benchmarks.routing``).
 
 A policy is any object with ``place(ticket, replicas) -> index`` (:class:`PlacementPolicy`).
 """
@@ -302,35 +305,69 @@ class CostPlacement:
             91-96% of the groups had >= 95% of their requests on one replica, against 72-86%.
         window: Requests per live replica in the popularity window (``window * n`` in all).
         fluid_share: The share of the window's requests that popular prefixes must make up for
-            a rare prefix to be held whole (see ``spread_share``); below it, held in proportion.
+            a rare prefix to be held whole (see ``spread_share``); below it, held in proportion,
+            down to ``rare_floor``.
+        rare_floor: How much of its rarity a rare prefix's hit is weighed by even with no
+            popular prefix in the window: at least ``1 + rare_floor * (r - 1)`` for a prefix
+            ``r`` times rarer than a popular one (0: as before this option, every prefix's hit
+            as it is). A request that leaves its prefix's replica recomputes the whole prefix
+            elsewhere to save some queueing, and two independent gateways, each seeing only its
+            own load, leave at different times: such a split is what kept groups apart between
+            them. With even popularity the loads are evened instead as the prefixes start
+            (``cold_epsilon``).
+        cold_epsilon: While popular prefixes make up less than ``fluid_share`` of the window
+            (so they cannot even the loads), a cold prefix goes to the first live replica on the
+            ring from its key that is home to fewer than ``ceil((1 + cold_epsilon) * (p + 1) /
+            n) + cold_margin`` of the ``p`` prefixes this gateway started (sent while cold)
+            among those in the window, once ``p`` is at least ``cold_after`` per live
+            replica; before that, and with ``None``, to its replica on the ring. The ring alone
+            gives some replicas many more prefixes than others (64 prefixes on 4 replicas: often
+            20 against 12), which only splitting them evened later. Needs ``spread_share``.
+        cold_margin: Prefixes a replica may be home to above that bound: the two gateways' counts
+            differ by a few, and a tight bound puts the same prefix in different places.
+        cold_after: Prefixes per live replica in the window before ``cold_epsilon`` applies
+            (fewer: the counts are too few to tell an uneven ring from chance).
 
     Raises:
         ValueError: If ``weight``, ``request_share`` or ``request_tokens`` < 0, ``spread_share``
-            or ``fluid_share`` <= 0, ``window`` < 1, or ``route_prefix_tokens`` < 1.
+            or ``fluid_share`` <= 0, ``window`` < 1, ``rare_floor`` outside [0, 1],
+            ``cold_epsilon``, ``cold_margin`` or ``cold_after`` < 0, or ``route_prefix_tokens`` < 1.
     """
 
     def __init__(self, *, weight: float = 0.1, route_prefix_tokens: int = 256,
                  epsilon: float | None = None, margin: int = 1, request_share: float = 0.5,
                  request_tokens: int | None = None, spread_share: float | None = 0.5,
-                 window: int = 32, fluid_share: float = 0.25) -> None:
+                 window: int = 32, fluid_share: float = 0.25, rare_floor: float = 0.25,
+                 cold_epsilon: float | None = 0.1, cold_margin: int = 1, cold_after: int = 8) -> None:
         if not (weight >= 0 and request_share >= 0) or (request_tokens is not None and request_tokens < 0):
             raise ValueError(f"CostPlacement needs weight, request_share and request_tokens >= 0, got "
                              f"{weight}, {request_share}, {request_tokens}")
         if (spread_share is not None and not spread_share > 0) or window < 1 or not fluid_share > 0:
             raise ValueError(f"CostPlacement needs spread_share > 0 (or None), window >= 1 and "
                              f"fluid_share > 0, got {spread_share}, {window}, {fluid_share}")
+        if not 0 <= rare_floor <= 1 or (cold_epsilon is not None and not cold_epsilon >= 0) \
+                or cold_margin < 0 or cold_after < 0:
+            raise ValueError(f"CostPlacement needs 0 <= rare_floor <= 1 and cold_epsilon (or None), "
+                             f"cold_margin and cold_after >= 0, got {rare_floor}, {cold_epsilon}, "
+                             f"{cold_margin}, {cold_after}")
         self.weight = weight
         self.request_share = request_share
         self.request_tokens = request_tokens
         self.spread_share = spread_share
         self.window = window
         self.fluid_share = fluid_share
+        self.rare_floor = rare_floor
+        self.cold_epsilon = cold_epsilon
+        self.cold_margin = cold_margin
+        self.cold_after = cold_after
         self.epsilon = epsilon
         self.ring = ConsistentHash(route_prefix_tokens=route_prefix_tokens,
                                    epsilon=0.0 if epsilon is None else epsilon, margin=margin)
         self._recent: collections.deque[int] = collections.deque()
         self._counts: collections.Counter[int] = collections.Counter()
         self._popular = 0  # requests in the window whose prefix is popular (count >= threshold)
+        self._home: dict[int, int] = {}  # prefix started cold, in the window -> where it started
+        self._homes: collections.Counter[int] = collections.Counter()  # replica -> prefixes started there
 
     def _spread(self, key: int, live: int) -> float:
         """Records a request's prefix ``key`` in the popularity window; returns the factor its
@@ -353,13 +390,17 @@ class CostPlacement:
                 self._popular -= count if count - 1 < threshold else 1
             if count == 1:
                 del counts[old]
+                home = self._home.pop(old, None)
+                if home is not None:
+                    self._homes[home] -= 1
             else:
                 counts[old] = count - 1
         # Over the whole window from the start: early in a burst, a prefix seen twice in the
         # first few requests is not yet popular.
         factor = threshold / counts[key]
         if factor > 1.0:  # a rare prefix: held whole as far as popular ones can even the loads
-            factor = 1.0 + (factor - 1.0) * min(1.0, self._popular / (self.fluid_share * len(recent)))
+            held = min(1.0, self._popular / (self.fluid_share * len(recent)))
+            factor = 1.0 + (factor - 1.0) * max(self.rare_floor, held)
         return factor
 
     def place(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
@@ -385,12 +426,34 @@ class CostPlacement:
             elif score < cold_score:
                 cold, cold_score = i, score
         if not warm_hit:
-            return first
+            choice = self._cold(ticket, replicas, key, first, bound)
+            if self.spread_share is not None and key not in self._home:
+                self._home[key] = choice
+                self._homes[choice] += 1
+            return choice
         # Leave the replicas holding the prefix for one without it only past the gap scaled
         # by the prefix's popularity (see ``spread_share``).
         if cold >= 0 and cold_score + (spread - 1.0) * warm_hit < best_score:
             return cold
         return best
+
+    def _cold(self, ticket: Ticket, replicas: Sequence[ReplicaState], key: int, first: int,
+              bound: int | None) -> int:
+        """Where a prefix no replica holds goes: its replica on the ring, or past it the first
+        one home to fewer than its share of the window's prefixes (see ``cold_epsilon``)."""
+        if self.cold_epsilon is None or self.spread_share is None \
+                or self._popular >= self.fluid_share * len(self._recent):
+            return first
+        live = [r.index for r in replicas if r.alive]
+        homed = sum(self._homes[i] for i in live)
+        if homed < self.cold_after * len(live):
+            return first
+        limit = math.ceil((1 + self.cold_epsilon) * (homed + 1) / len(live)) + self.cold_margin
+        for i in self.ring.walk(ticket, replicas, key):
+            r = replicas[i]
+            if r.alive and (bound is None or r.load < bound) and self._homes[i] < limit:
+                return i
+        return first
 
 
 PLACEMENTS: dict[str, Callable[..., PlacementPolicy]] = {
