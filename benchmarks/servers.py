@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -71,17 +72,23 @@ class VllmServers:
         served_model_name: The name the servers serve the model as (``--served-model-name``);
             the model directory's name by default, so that block keys, which the model name
             namespaces, do not depend on where the checkout lives.
+        kv_events: Each server publishes its KV cache events over ZMQ (``--kv-events-config``)
+            on a port of its own, listed in :attr:`event_endpoints`.
 
     Attributes:
         urls: Each server's base URL, in order.
+        event_endpoints: Where each server publishes its KV cache events (``kv_events``), in
+            order, for :meth:`RemoteVllm.connect`'s ``kv_events``.
         logs: Each server's log file.
     """
 
     def __init__(self, n: int, model: str | Path, *, num_blocks: int | None = None,
                  max_model_len: int = 4096, extra_args: Sequence[str] = (), cpu: bool = True,
                  start_timeout: float = 300.0, sequential: bool = False,
-                 served_model_name: str | None = None) -> None:
+                 served_model_name: str | None = None, kv_events: bool = False) -> None:
         self.n = n
+        self.kv_events = kv_events
+        self.event_endpoints: list[str] = []
         self.model = str(model)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -96,8 +103,9 @@ class VllmServers:
         self._envs: list[dict[str, str]] = []
         self._dir = tempfile.mkdtemp(prefix="prefixgate-servers-")
 
-    def command(self, port: int) -> list[str]:
-        """The command line of the server on ``port``."""
+    def command(self, port: int, events_port: int | None = None) -> list[str]:
+        """The command line of the server on ``port`` (publishing its KV cache events on
+        ``events_port``, if given)."""
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--served-model-name", self.served_model_name,
                "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
@@ -107,6 +115,9 @@ class VllmServers:
             cmd += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.cpu:
             cmd += ["--enforce-eager", "--worker-extension-cls", "prefixgate.vllm_amx.AmxPermission"]
+        if events_port is not None:
+            cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                      "endpoint": f"tcp://*:{events_port}"})]
         return cmd + self.extra_args
 
     def start(self) -> VllmServers:
@@ -129,7 +140,10 @@ class VllmServers:
                 self._envs.append(env)
                 log = Path(self._dir) / f"server-{i}.log"
                 with open(log, "wb") as out:
-                    self._procs.append(subprocess.Popen(self.command(port), stdout=out,
+                    events_port = free_port() if self.kv_events else None
+                    if events_port is not None:
+                        self.event_endpoints.append(f"tcp://127.0.0.1:{events_port}")
+                    self._procs.append(subprocess.Popen(self.command(port, events_port), stdout=out,
                                                         stderr=subprocess.STDOUT, env=env,
                                                         start_new_session=True, preexec_fn=_die_with_parent))
                 self.urls.append(f"http://127.0.0.1:{port}")
@@ -168,9 +182,10 @@ class VllmServers:
         self.kill(i)
         port = int(self.urls[i].rsplit(":", 1)[1])
         with open(self.logs[i], "ab") as out:
-            self._procs[i] = subprocess.Popen(self.command(port), stdout=out, stderr=subprocess.STDOUT,
-                                              env=self._envs[i], start_new_session=True,
-                                              preexec_fn=_die_with_parent)
+            events_port = int(self.event_endpoints[i].rsplit(":", 1)[1]) if self.kv_events else None
+            self._procs[i] = subprocess.Popen(self.command(port, events_port), stdout=out,
+                                              stderr=subprocess.STDOUT, env=self._envs[i],
+                                              start_new_session=True, preexec_fn=_die_with_parent)
         self._wait(i, self.urls[i], time.monotonic() + self.start_timeout)
 
     def kill(self, i: int) -> None:

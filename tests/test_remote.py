@@ -34,7 +34,7 @@ BLOCKS = 64  # each server's KV: 64 blocks of 128 tokens
 
 @pytest.fixture(scope="module")
 def servers():
-    with VllmServers(2, MODEL_DIR, num_blocks=BLOCKS) as running:
+    with VllmServers(2, MODEL_DIR, num_blocks=BLOCKS, kv_events=True) as running:
         yield running
 
 
@@ -94,6 +94,58 @@ async def test_predicted_hits_equal_the_servers_cached_tokens_and_tenants_are_is
     assert other.cached_tokens == other.predicted_hit_tokens == 0  # another tenant: another cache
     assert again.cached_tokens == again.predicted_hit_tokens > 0
     assert stats.predicted_hit_tokens == stats.engine_cached_tokens and stats.completed == 14
+
+
+class Fixed:
+    """Places every request on one replica."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def place(self, ticket, replicas):
+        return self.index
+
+
+async def test_a_gateway_follows_what_another_gateways_requests_cached_through_the_kv_events(servers):
+    # Two independent gateways, each with its own connections; the servers publish their KV
+    # cache events. Gateway a puts tenant t's system prompt on server 1; gateway b, which never
+    # sent it, learns the blocks from server 1's events and sends t's next request there,
+    # predicting the hit the server then reports. Tenant u's identical prompt hits nothing.
+    rng = random.Random(11)
+    system = prose(rng, 60)
+
+    def connect():
+        return asyncio.gather(*(RemoteVllm.connect(url, max_num_seqs=4, metrics_interval=0.1, kv_events=ep)
+                                for url, ep in zip(servers.urls, servers.event_endpoints, strict=True)))
+
+    ours, theirs = await connect(), await connect()
+    try:
+        for e in ours:
+            (await e._client.post("/reset_prefix_cache")).raise_for_status()
+        await asyncio.sleep(0.5)  # ZMQ subscribers join asynchronously
+        async with Gateway(theirs, GatewayConfig(placement=Fixed(1), isolate_tenants=True)) as a, \
+                Gateway(ours, GatewayConfig(placement="cost", isolate_tenants=True)) as b:
+            await drain(b.generate(prose(rng, 5), params(), tenant="t"))  # b has served tenant t
+            await drain(a.generate(f"{system}\nFirst question?", params(), tenant="t"))
+            follower = b._replicas[1].cache_follower
+            assert follower is not None
+            for _ in range(100):  # the events cross a socket: wait until b has them (<= 10 s)
+                if follower.stored >= 3:
+                    break
+                await asyncio.sleep(0.1)
+            assert follower.stored >= 3 and follower.skipped == 0, follower
+            t = b.generate(f"{system}\nSecond question?", params(), tenant="t")
+            await drain(t)
+            u = b.generate(f"{system}\nSecond question?", params(), tenant="u")
+            await drain(u)
+            stats = b.statistics()
+        assert t.predicted_hit_tokens == t.cached_tokens >= 3 * 128  # learned only from the events
+        assert [r.placed for r in stats.replicas][1] >= 1 and ours[1].event_batches > 0
+        assert u.predicted_hit_tokens == u.cached_tokens == 0
+        assert stats.predicted_hit_tokens == stats.engine_cached_tokens
+    finally:
+        for e in (*ours, *theirs):
+            await e.close()
 
 
 async def test_two_servers_each_group_on_one_server_with_exact_predictions(engines):

@@ -115,6 +115,9 @@ class Gateway:
                                     route_prefix_tokens=config.route_prefix_tokens)
             self._router = self._dispatch = Router(units, policy, stats=self._stats, live=first.live)
         self._live = self._dispatch.live  # request ids of streams not yet ended
+        self._replicas = [u.replica for u in self._router.units] if self._router else [self._replica]
+        for replica in self._replicas:  # engines that publish their cache events keep the mirrors true
+            replica.follow_cache_events(self._ingress.root_for)
         # What every stream is handed: bound once here, not once per request.
         self._serve, self._forget = self._dispatch.serve, self._dispatch.forget
         self._pool: IngressPool | None = self._make_pool()
@@ -367,6 +370,8 @@ class Gateway:
         and each may take at most a few seconds. Idempotent.
         """
         await self._dispatch.close(timeout)
+        for replica in self._replicas:
+            replica.unfollow_cache_events()
         if self._pool is not None:
             pool, self._pool = self._pool, None
             with contextlib.suppress(Exception):

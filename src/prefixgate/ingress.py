@@ -271,6 +271,7 @@ class Ingress:
         self.chains = ChainCache(self.block_size)
         self._roots: dict[tuple[str, str | None, str | None], tuple[Namespace, BlockHash]] = {}
         self._salts: dict[str, str] = {}
+        self._salted: dict[str, str] = {}  # salt -> tenant, of the salts in _salts
         self._interned: OrderedDict[BlockHash, tuple[BlockHash, ...]] = OrderedDict()
         self.chat = ChatTemplate(engine.tokenizer)
 
@@ -381,8 +382,26 @@ class Ingress:
             salt = f"prefixgate-{digest}"
             if len(self._salts) >= 4096:
                 self._salts.clear()
+                self._salted.clear()
             self._salts[tenant] = salt
+            self._salted[salt] = tenant
         return salt
+
+    def root_for(self, cache_salt: str | None, lora: str | None) -> BlockHash | None:
+        """The namespace root of this gateway's keys for blocks an engine cached under
+        ``cache_salt`` and ``lora`` (:mod:`prefixgate.cache_events`), or ``None`` for a salt this
+        gateway has not given lately (another gateway's tenant it has not served: none of its
+        requests could match those blocks yet)."""
+        if cache_salt is None:
+            tenant = None
+        elif (tenant := self._salted.get(cache_salt)) is None:
+            return None
+        root_key = (self.model, lora, tenant)
+        found = self._roots.get(root_key)
+        if found is None:
+            namespace = Namespace(*root_key)
+            return namespace.root(self.config.key_seed)
+        return found[1]
 
     def _check_text(self, text: str) -> None:
         if not text:

@@ -90,6 +90,50 @@ class PrefixMirror:
         if self._tree.size > self.capacity:
             self._evict()
 
+    def learn(self, parent: BlockHash | None, keys: Sequence[BlockHash]) -> bool:
+        """Marks ``keys``, the blocks after ``parent`` (``None``: a chain from the root), resident
+        and most recently used, as the engine reported it stored them
+        (:mod:`prefixgate.cache_events`). Returns ``False``, learning nothing, if ``parent`` is
+        not resident (its chain is unknown)."""
+        if parent is None:
+            self.insert(keys)
+            return True
+        run = self._tree.index.get(parent)
+        if run is None:
+            return False
+        path: list[Hashable] = list(run.keys[: run.keys.index(parent) + 1])
+        up = run.parent
+        while up is not None:
+            path[:0] = up.keys
+            up = up.parent
+        path.extend(keys)
+        self.insert(path)  # type: ignore[arg-type]  # the tree holds the keys inserted: BlockHashes
+        return True
+
+    def forget(self, keys: Sequence[BlockHash]) -> int:
+        """Drops each of ``keys`` and every block after it, as the engine reported it evicted
+        them (the engine matches a prompt only up to its first missing block, so what follows
+        one can never hit); returns how many keys went."""
+        tree, gone = self._tree, 0
+        for key in keys:
+            run = tree.index.get(key)
+            if run is None:
+                continue
+            at = run.start + run.keys.index(key)
+            if at > run.start:
+                tree.split(run, at)  # ``run`` is now the part from ``key`` on
+            parent = run.parent
+            stack, order = [run], []
+            while stack:
+                r = stack.pop()
+                order.append(r)
+                stack.extend(r.kids.values())
+            for r in reversed(order):  # kids before their parents
+                gone += tree.remove(r)
+            if parent is not None and not parent.kids:
+                self._push(parent)
+        return gone
+
     def _push(self, run: Run) -> None:
         heapq.heappush(self._leaves, (run.stamp, next(self._seq), run))
         if len(self._leaves) > self._rebuild_at:

@@ -14,14 +14,20 @@ server's. The rest of what the engine protocol asks for comes from the server it
   is also the health check (with ``/health``);
 * cached tokens per request from the stream's ``usage.prompt_tokens_details.cached_tokens``
   (start the server with ``--enable-prompt-tokens-details``; without it they are unknown);
-* output token ids from ``return_token_ids``.
+* output token ids from ``return_token_ids``;
+* optionally, what its prefix cache stores and evicts, from vLLM's KV cache events over ZMQ
+  (start the server with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher":
+  "zmq", "endpoint": "tcp://*:5557"}'`` and connect with ``kv_events="tcp://host:5557"``): every
+  gateway's mirror of the server then follows what all gateways' requests cached there
+  (:mod:`prefixgate.cache_events`).
 
 Cancellation closes the HTTP stream; vLLM aborts a request whose client disconnects. A server
 that fails ``unhealthy_after`` health checks in a row is reported unhealthy to the gateway, which
 takes it out of placement and re-places what was queued for it; it is reported healthy again
 (and taken back, its cache mirror emptied) once a check passes.
 
-Needs ``httpx`` (the ``remote`` extra; vLLM installs it too). What goes over the wire (outputs,
+Needs ``httpx``, and ``pyzmq`` with ``msgspec`` for the cache events (the ``remote`` extra; vLLM
+installs all three). What goes over the wire (outputs,
 metrics, ``/tokenize``, errors) is in :mod:`prefixgate.remote_wire`.
 """
 
@@ -36,6 +42,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cache_events import CacheEvent
 from .clock import Clock, MonotonicClock
 from .engine import Completion, EngineRequest, KvStats, SamplingCheck, Tokenizer, check_max_tokens
 from .errors import EngineDead, EngineError, InvalidRequest, PrefixgateError
@@ -45,6 +52,7 @@ from .remote_wire import (
     RemoteOutput,
     RemoteTokenizer,
     http_error,
+    kv_events,
     load_tokenizer,
     parse_metrics,
 )
@@ -129,12 +137,23 @@ class RemoteVllm:
         self._monitor: asyncio.Task[None] | None = None
         self._closed = False
         self._defaults: dict[type, Any] = {}
+        self._cache_listeners: list[Callable[[list[CacheEvent]], None]] = []
+        self._events: asyncio.Task[None] | None = None
+        self.events_endpoint: str | None = None
+        """Where the server publishes its KV cache events, when followed."""
+        self.event_batches = 0
+        """Event batches received from the server."""
+        self.event_batches_missed = 0
+        """Batches the sequence numbers say were published but never arrived (a subscriber that
+        joined late, or a full queue): what they said is missing from the mirrors until those
+        blocks are stored again."""
 
     @classmethod
     async def connect(cls, url: str, *, tokenizer: Any = None, model: str | None = None,
                       max_num_seqs: int | None = None, api_key: str | None = None,
                       timeout: float = 10.0, metrics_interval: float = 0.25, unhealthy_after: int = 2,
-                      clock: Clock | None = None) -> RemoteVllm:
+                      clock: Clock | None = None, kv_events: str | None = None,
+                      kv_events_topic: str = "") -> RemoteVllm:
         """Connects to a running vLLM server, reads what it serves, and starts watching it.
 
         Args:
@@ -150,6 +169,11 @@ class RemoteVllm:
             metrics_interval: Seconds between health checks and ``/metrics`` scrapes.
             unhealthy_after: Failed checks in a row after which the server counts as unhealthy.
             clock: Timestamps KV stats.
+            kv_events: The ZMQ endpoint where the server publishes its KV cache events
+                (``tcp://host:port``, the port of its ``--kv-events-config`` endpoint), or
+                ``None`` not to follow them. Followed, every gateway over this server sees what
+                any gateway's requests cached there and what the server evicted.
+            kv_events_topic: The ``topic`` of the server's ``--kv-events-config``.
 
         Raises:
             EngineDead: The server cannot be reached or does not answer as vLLM does.
@@ -202,7 +226,68 @@ class RemoteVllm:
                      metrics_interval=metrics_interval, unhealthy_after=unhealthy_after, timeout=timeout)
         engine._record(parse_metrics(metrics.text), engine._clock.now())
         engine._monitor = asyncio.ensure_future(engine._watch())
+        if kv_events is not None:
+            engine._follow(kv_events, kv_events_topic)
         return engine
+
+    # -- KV cache events ----------------------------------------------------------------------
+
+    def add_cache_listener(self, listener: Callable[[list[CacheEvent]], None]) -> Callable[[], None] | None:
+        """Calls ``listener`` with each batch of the server's cache events, if they are followed
+        (``kv_events``); returns what removes it, or ``None`` when they are not."""
+        if self._events is None:
+            return None
+        listeners = self._cache_listeners
+        listeners.append(listener)
+
+        def remove() -> None:
+            if listener in listeners:
+                listeners.remove(listener)
+        return remove
+
+    def _follow(self, endpoint: str, topic: str) -> None:
+        import msgspec
+        import zmq
+        import zmq.asyncio
+
+        socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(endpoint)
+        socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.events_endpoint = endpoint
+        self._events = asyncio.ensure_future(self._read_events(socket, msgspec.msgpack.Decoder()))
+
+    async def _read_events(self, socket: Any, decoder: Any) -> None:
+        last: int | None = None
+        try:
+            while not self._closed:
+                frames = await socket.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                seq = int.from_bytes(frames[1], "big")
+                if last is not None and seq > last + 1:
+                    self.event_batches_missed += seq - last - 1
+                    log.warning("prefixgate: %d KV event batches from %s were lost",
+                                seq - last - 1, self.events_endpoint)
+                last = seq
+                self.event_batches += 1
+                try:
+                    events = kv_events(decoder.decode(frames[2]))
+                except Exception as e:  # one bad batch must not stop the follower
+                    log.warning("prefixgate: an unreadable KV event batch from %s: %s",
+                                self.events_endpoint, e)
+                    continue
+                for listener in tuple(self._cache_listeners):
+                    try:
+                        listener(events)
+                    except Exception:
+                        log.exception("prefixgate: a cache event listener of %s failed", self.url)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the mirrors go back to what their own gateway dispatched
+            log.exception("prefixgate: stopped following the KV events of %s", self.url)
+        finally:
+            socket.close(linger=0)
 
     # -- what the gateway reads ---------------------------------------------------------------
 
@@ -457,6 +542,10 @@ class RemoteVllm:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
             self._monitor = None
+        if self._events is not None:
+            self._events.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._events
         await self._client.aclose()
         if isinstance(self._tokenizer, RemoteTokenizer):
             self._tokenizer.close()

@@ -15,11 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from .cache_events import BlocksRemoved, BlocksStored, CacheCleared, CacheEvent
 from .engine import Tokenizer
 from .errors import EngineError, InvalidRequest, Overloaded, PrefixgateError, Reason
 
 __all__ = ["SAMPLING_FIELDS", "RemoteCompletion", "RemoteOutput", "RemoteTokenizer", "http_error",
-           "load_tokenizer", "parse_metrics"]
+           "kv_events", "load_tokenizer", "parse_metrics"]
 
 SAMPLING_FIELDS = frozenset({
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -210,3 +211,48 @@ def http_error(request_id: str, status: int, body: str, retry_after: str | None)
     if 400 <= status < 500:
         return InvalidRequest(f"the server refused {request_id} ({status}): {message}")
     return EngineError(f"the server failed on {request_id} ({status}): {message}")
+
+
+def kv_events(batch: Any) -> list[CacheEvent]:
+    """The cache events of one decoded vLLM ``KVEventBatch`` (``[ts, events, dp_rank]``, as
+    ``--kv-events-config`` publishes them over ZMQ, msgpack-encoded), as
+    :mod:`~prefixgate.cache_events` values.
+
+    Only the engine's own KV counts (``medium`` ``GPU``, the main cache group): blocks in an
+    offloading tier are not what a request hits first. A stored run whose extra keys hold more
+    than a cache salt and the LoRA name (media, prompt embeddings) is marked ``media`` (the
+    gateway keys those on what it was sent, not on what the event says).
+
+    Raises:
+        ValueError: ``batch`` is not shaped like a ``KVEventBatch``.
+    """
+    if not isinstance(batch, list | tuple) or len(batch) < 2 or not isinstance(batch[1], list | tuple):
+        raise ValueError(f"not a KVEventBatch: {type(batch).__name__}")
+    out: list[CacheEvent] = []
+    for event in batch[1]:
+        if not isinstance(event, Mapping):
+            raise ValueError(f"not a KV cache event: {type(event).__name__}")
+        kind = event.get("type")
+        if kind == "AllBlocksCleared":
+            out.append(CacheCleared())
+            continue
+        if event.get("medium") not in (None, "GPU") or event.get("group_idx") not in (None, 0):
+            continue
+        hashes = tuple(event.get("block_hashes") or ())
+        if kind == "BlockRemoved":
+            out.append(BlocksRemoved(hashes))
+        elif kind == "BlockStored":
+            lora = event.get("lora_name")
+            extra = event.get("extra_keys") or []
+            salt, media = None, False
+            for i, keys in enumerate(extra):
+                values = list(keys or ())
+                if lora is not None and values[:1] == [lora]:
+                    values = values[1:]
+                strings = [v for v in values if isinstance(v, str)]
+                media = media or len(strings) < len(values) or (i > 0 and bool(strings))
+                if i == 0 and strings:
+                    salt, media = strings[-1], media or len(strings) > 1
+            tokens = tuple(event.get("token_ids") or ())
+            out.append(BlocksStored(hashes, event.get("parent_block_hash"), tokens, salt, lora, media=media))
+    return out

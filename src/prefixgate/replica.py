@@ -15,11 +15,12 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from .admission import Admission, BlockLedger
+from .cache_events import CacheFollower
 from .clock import Clock, LoopLag, MonotonicClock
 from .config import GatewayConfig
 from .engine import Engine, completion_reader, engine_slots
 from .errors import EngineDead, EngineStalled, PrefixgateError
-from .keys import chain_hashes, media_extras, pack_tokens
+from .keys import BlockHash, chain_hashes, media_extras, pack_tokens
 from .mirror import PrefixMirror
 from .tickets import Ticket
 
@@ -80,6 +81,9 @@ class Replica:
         self._watchdog: asyncio.Task[None] | None = None  # on virtual and fake clocks
         self._watch_timer: asyncio.TimerHandle | None = None  # on the real clock
         self._stall_mark: tuple[Any, float] = (None, 0.0)  # (last progress seen, since when)
+        self.cache_follower: CacheFollower | None = None
+        """Keeps :attr:`mirror` in step with the engine's cache events, when it publishes them."""
+        self._unfollow: Callable[[], None] | None = None
 
     # -- health -----------------------------------------------------------------------------
 
@@ -179,6 +183,28 @@ class Replica:
             self._watch_timer = None
 
     # -- the cache mirror -------------------------------------------------------------------
+
+    def follow_cache_events(self, root_for: Callable[[str | None, str | None], BlockHash | None]) -> bool:
+        """Has the mirror follow what the engine reports it caches and evicts
+        (:mod:`prefixgate.cache_events`), if it reports it (an engine with
+        ``add_cache_listener`` that publishes events); returns whether it does. ``root_for``
+        gives the gateway's namespace root for a cache salt and LoRA name."""
+        add = getattr(self.engine, "add_cache_listener", None)
+        if add is None or self._unfollow is not None:
+            return self._unfollow is not None
+        follower = CacheFollower(self.mirror, self.engine.block_size, root_for,
+                                 limit=4 * max(1, self.engine.num_blocks))
+        remove = add(follower.apply)
+        if remove is None:
+            return False
+        self.cache_follower, self._unfollow = follower, remove
+        return True
+
+    def unfollow_cache_events(self) -> None:
+        """Stops following the engine's cache events (the gateway closed). Idempotent."""
+        remove, self._unfollow = self._unfollow, None
+        if remove is not None:
+            remove()
 
     def cache_output(self, ticket: Ticket) -> None:
         """Records a completed ticket's blocks as most recently used in the mirror (freed now,

@@ -15,10 +15,12 @@ and the same inputs always give the same outputs at the same virtual times.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..cache_events import CacheEvent
 from ..clock import AutoClock
 from ..engine import (
     EngineRequest,
@@ -33,6 +35,8 @@ from ..keys import Namespace
 from ..testing import ByteTokenizer, FakeCompletion, FakeOutput, FakeSamplingParams
 from .loop import CoreThread, LoopServer, check_costs
 from .scheduler import OUTPUT_TOKEN, SimRequest, SimScheduler, StepPlan
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SimClock", "SimEngine", "StepTimeModel"]
 
@@ -223,6 +227,10 @@ class SimEngine:
         clock: The virtual clock; a new :class:`~prefixgate.AutoClock` when ``None``.
         on_step: Called after each step with its start time, its duration and its
             :class:`~prefixgate.sim.scheduler.StepPlan` (for instrumentation).
+        cache_events: Publish what the prefix cache stores and evicts, as vLLM does with
+            ``--kv-events-config``: after each step, every listener added with
+            :meth:`add_cache_listener` is given that step's
+            :mod:`~prefixgate.cache_events` (gateways follow them in their mirrors).
 
     Raises:
         ValueError: If a size is not a positive int, or one ``max_model_len`` sequence does not
@@ -234,7 +242,8 @@ class SimEngine:
                  enable_caching: bool = True, step_time: StepTimeModel | None = None,
                  tokenizer: Tokenizer | None = None, model_name: str = "sim",
                  clock: AutoClock | None = None,
-                 on_step: Callable[[float, float, StepPlan], None] | None = None) -> None:
+                 on_step: Callable[[float, float, StepPlan], None] | None = None,
+                 cache_events: bool = False) -> None:
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
                             ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -256,6 +265,9 @@ class SimEngine:
         self._stats: KvStats | None = None
         self._dead: BaseException | None = None
         self._on_step = on_step
+        self._cache_listeners: list[Callable[[Sequence[CacheEvent]], None]] = []
+        if cache_events:
+            self._core.pool.events = []
         self.shared_cpus: Sequence[LoopServer] = ()
         """The frontend's CPUs (:class:`~prefixgate.sim.loop.LoopServer`) that share a core with
         the engine core: their work during a step lengthens it by :attr:`StepTimeModel.shared`."""
@@ -429,7 +441,33 @@ class SimEngine:
         Returns:
             ``False`` (and nothing is dropped) while any request holds blocks.
         """
-        return self._core.reset_prefix_cache()
+        done = self._core.reset_prefix_cache()
+        self._publish()
+        return done
+
+    def add_cache_listener(self, listener: Callable[[Sequence[CacheEvent]], None]
+                           ) -> Callable[[], None] | None:
+        """Calls ``listener`` with each step's cache events, if this engine publishes them
+        (``cache_events``); returns what removes it, or ``None`` when there are none to follow."""
+        if self._core.pool.events is None:
+            return None
+        listeners = self._cache_listeners
+        listeners.append(listener)
+
+        def remove() -> None:
+            if listener in listeners:
+                listeners.remove(listener)
+        return remove
+
+    def _publish(self) -> None:
+        events = self._core.pool.events
+        if events:
+            self._core.pool.events = []
+            for listener in tuple(self._cache_listeners):
+                try:
+                    listener(events)
+                except Exception:  # a listener's bug must not stop the engine
+                    log.exception("prefixgate: a cache event listener failed")
 
     # -- the step loop ------------------------------------------------------------------------
 
@@ -492,6 +530,7 @@ class SimEngine:
                     await clock.sleep(extra)
                     seconds += extra
                 ready = core.update(plan)
+                self._publish()
                 if self.output_cpu is not None and self.output_cost > 0 and ready:
                     # vLLM's output processor reads each step's outputs on the frontend's loop
                     # before any client sees them, whether or not the client keeps up.

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
+from ..cache_events import BlocksRemoved, BlocksStored, CacheCleared, CacheEvent
 from ..keys import BlockHash, Namespace, block_hashes
 
 __all__ = ["OUTPUT_TOKEN", "BlockPool", "SimRequest", "SimScheduler", "StepPlan"]
@@ -60,7 +61,7 @@ class BlockPool:
         ValueError: If ``num_blocks`` is below 2.
     """
 
-    __slots__ = ("_cached", "_free", "_hash", "_ref", "enable_caching", "evictions", "num_blocks")
+    __slots__ = ("_cached", "_free", "_hash", "_ref", "enable_caching", "events", "evictions", "num_blocks")
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 2:
@@ -74,6 +75,9 @@ class BlockPool:
         # A hash maps to one block id, or to an insertion-ordered dict of ids when duplicated.
         self._cached: dict[BlockHash, int | dict[int, None]] = {}
         self.evictions = 0
+        self.events: list[CacheEvent] | None = None
+        """Where cache events are recorded (``None``: they are not): a hash that no block holds
+        any more is reported removed, as vLLM reports it; the scheduler reports stores."""
 
     @property
     def num_free(self) -> int:
@@ -145,6 +149,8 @@ class BlockPool:
             if not entry:
                 del self._cached[h]
         self.evictions += 1
+        if self.events is not None and h not in self._cached:
+            self.events.append(BlocksRemoved((h,)))
 
     def cache_block(self, block: int, block_hash: BlockHash) -> None:
         """Registers the full ``block`` under ``block_hash`` (duplicates are kept, as vLLM does)."""
@@ -182,6 +188,8 @@ class BlockPool:
             return False
         self._cached.clear()
         self._hash = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.append(CacheCleared())
         return True
 
     def __repr__(self) -> str:
@@ -509,6 +517,14 @@ class SimScheduler:
         for i in range(start, full):
             cache(blocks[i], hashes[i])
         request.num_cached_blocks = full
+        events = self.pool.events
+        if events is not None:
+            size = self.block_size
+            tokens = (request.prompt + (OUTPUT_TOKEN,) * request.num_output)[start * size: full * size]
+            namespace = request.namespace
+            events.append(BlocksStored(tuple(hashes[start:full]), hashes[start - 1] if start else None,
+                                       tokens, namespace.tenant, namespace.lora,
+                                       media=bool(request.media)))
 
     def _free(self, request: SimRequest) -> None:
         if request.blocks:

@@ -1,0 +1,177 @@
+"""Mirrors that follow the engine's cache events: what any gateway's requests cached, every
+gateway's mirror learns; what the engine evicted, it forgets."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixgate import Gateway, GatewayConfig, Namespace, block_hashes
+from prefixgate.cache_events import BlocksRemoved, BlocksStored, CacheCleared, CacheFollower
+from prefixgate.engine import EngineRequest
+from prefixgate.mirror import PrefixMirror
+from prefixgate.placement import make_placement
+from prefixgate.sim import SimClock, SimEngine
+from prefixgate.testing import ByteTokenizer, FakeSamplingParams
+
+SP = FakeSamplingParams(max_tokens=2)
+
+
+def test_a_mirror_learns_blocks_after_a_known_parent_and_forgets_a_block_with_all_after_it():
+    mirror = PrefixMirror(16)
+    assert mirror.learn(None, ["a", "ab", "abc"])
+    assert not mirror.learn("x", ["xy"])  # an unknown parent: nothing learned
+    assert mirror.learn("ab", ["abd", "abde"])  # a fork inside a run
+    assert mirror.match(["a", "ab", "abd", "abde"]) == 4 and mirror.match(["a", "ab", "abc"]) == 3
+    assert len(mirror) == 5
+    assert mirror.forget(["ab"]) == 4  # "ab" and both branches after it
+    assert mirror.match(["a", "ab"]) == 1 and len(mirror) == 1
+    assert mirror.learn("a", ["ab"]) and mirror.match(["a", "ab", "abc"]) == 2
+    assert mirror.forget(["nothing", "a"]) == 2 and len(mirror) == 0
+    # What a forget leaves is still evicted, least recently used first.
+    mirror.insert(["p", "pq"])
+    mirror.insert(["r", "rs"])
+    assert mirror.forget(["rs"]) == 1
+    for i in range(15):
+        mirror.insert([f"n{i}"])
+    assert len(mirror) == 16 and mirror.match(["p", "pq"]) == 0 and mirror.match(["r"]) == 1
+    mirror.insert(["n15"])
+    assert mirror.match(["r"]) == 0 and all(mirror.holds(f"n{i}") for i in range(16))
+
+
+def test_a_follower_rekeys_stored_blocks_from_the_salts_root_and_skips_what_it_cannot_key():
+    ns = {None: Namespace("m"), "salt-t": Namespace("m", tenant="t")}
+    mirror = PrefixMirror(64)
+    follower = CacheFollower(mirror, 4, lambda salt, lora: ns[salt].root() if salt in ns else None, limit=64)
+    tokens = list(range(12))
+    ours = {salt: block_hashes(tokens, 4, n) for salt, n in ns.items()}
+    follower.apply([BlocksStored((1, 2), None, tuple(tokens[:8]), "salt-t"),
+                    BlocksStored((3,), 2, tuple(tokens[8:]), "salt-t"),
+                    BlocksStored((9,), None, tuple(tokens[:4]), "salt-unknown"),
+                    BlocksStored((8,), 77, tuple(tokens[:4])),  # its parent was never stored
+                    BlocksStored((7,), None, tuple(tokens[:3]))])  # not a whole block
+    assert mirror.match(ours["salt-t"]) == 3 and mirror.match(ours[None]) == 0
+    assert (follower.stored, follower.skipped) == (3, 3)
+    follower.apply([BlocksRemoved((2, 99))])
+    assert mirror.match(ours["salt-t"]) == 1 and follower.removed == 2
+    follower.apply([BlocksStored((5,), None, tuple(tokens[:4])), CacheCleared()])
+    assert len(mirror) == 0
+
+
+async def _serve(engine: SimEngine, rid: str, tokens: list[int], salt: str | None) -> None:
+    request = EngineRequest(request_id=rid, prompt_token_ids=tokens, sampling_params=SP, cache_salt=salt)
+    async for _ in engine.generate(request):
+        pass
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), num_blocks=st.integers(12, 40), concurrency=st.integers(1, 4))
+def test_a_mirror_following_a_simulators_events_holds_exactly_what_its_cache_holds(seed, num_blocks,
+                                                                                   concurrency):
+    # Prompts over a few shared prefixes and two tenants (one salted), in a pool small enough to
+    # evict: after every batch, the follower's mirror matches each prompt exactly as far as the
+    # engine's cache would serve it.
+    rng = random.Random(seed)
+    clock = SimClock()
+    engine = SimEngine(block_size=4, num_blocks=num_blocks, max_model_len=40, max_num_seqs=4,
+                       clock=clock, cache_events=True)
+    tenants = {None: None, "salt-a": "a"}
+    mirror = PrefixMirror(num_blocks)
+    follower = CacheFollower(mirror, 4, lambda salt, lora: Namespace("gw", lora, tenants[salt]).root(),
+                             limit=4 * num_blocks)
+    assert engine.add_cache_listener(follower.apply) is not None
+    heads = [[rng.randrange(50) for _ in range(rng.choice((4, 8, 12)))] for _ in range(4)]
+    prompts = [(rng.choice(heads) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))],
+                rng.choice(list(tenants))) for _ in range(24)]
+
+    async def run() -> None:
+        for start in range(0, len(prompts), concurrency):
+            batch = prompts[start:start + concurrency]
+            await asyncio.gather(*(_serve(engine, f"r{start + k}", p, salt)
+                                   for k, (p, salt) in enumerate(batch)))
+            pool = engine.scheduler.pool
+            for tokens, salt in prompts:
+                theirs = block_hashes(tokens, 4, Namespace("sim", None, salt))
+                ours = block_hashes(tokens, 4, Namespace("gw", None, tenants[salt]))
+                assert mirror.match(ours) == len(pool.longest_hit(list(theirs), len(theirs)))
+
+    asyncio.run(run())
+    assert follower.stored > 0 and follower.skipped == 0
+
+
+def _sims(n: int, events: bool, num_blocks: int = 64) -> tuple[SimClock, list[SimEngine]]:
+    clock = SimClock()
+    return clock, [SimEngine(block_size=16, num_blocks=num_blocks, max_model_len=256,
+                             tokenizer=ByteTokenizer(), clock=clock, cache_events=events) for _ in range(n)]
+
+
+class Fixed:
+    """Places every request on one replica."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def place(self, ticket, replicas):
+        return self.index
+
+
+class Recording:
+    """The default cost placement, recording where it put each request."""
+
+    def __init__(self) -> None:
+        self.inner, self.placed = make_placement("cost", route_prefix_tokens=64), {}
+
+    def place(self, ticket, replicas):
+        i = self.placed[ticket.request_id] = self.inner.place(ticket, replicas)
+        return i
+
+
+async def _where_b_goes(events: bool, target: int):
+    clock, engines = _sims(3, events)
+    system = "system prompt: " + "answer in French. " * 8
+    rec = Recording()
+    fixed, following = GatewayConfig(placement=Fixed(target), isolate_tenants=True), \
+        GatewayConfig(placement=rec, isolate_tenants=True)
+    async with Gateway(engines, fixed, clock=clock) as a, Gateway(engines, following, clock=clock) as b:
+        await _drain(b.generate("something else entirely " * 6, SP, tenant="t"))  # b gives t's salt
+        await _drain(a.generate(system + "first question?", SP, tenant="t"))
+        await _drain(b.generate(system + "second question?", SP, tenant="t", request_id="b-t"))
+        await _drain(b.generate(system + "third question?", SP, tenant="u", request_id="b-u"))
+        return rec.placed, b.statistics()
+
+
+async def _drain(stream):
+    return [out async for out in stream]
+
+
+async def test_a_gateway_sends_a_prefix_where_another_gateways_request_cached_it():
+    # Gateway a puts tenant t's system prompt on a replica where b's ring would not; gateway b,
+    # which never dispatched it, sees the replica's events and sends t's next request there,
+    # predicting the hit the engine then reports. Tenant u's identical prompt hits nothing.
+    for target in range(3):  # without events b goes by its ring: find a replica that is not it
+        blind, blind_stats = await _where_b_goes(False, target)
+        if blind["b-t"] != target:
+            break
+    assert blind["b-t"] != target and blind_stats.engine_cached_tokens == 0
+    placed, stats = await _where_b_goes(True, target)
+    assert placed["b-t"] == target
+    assert stats.predicted_hit_tokens == stats.engine_cached_tokens >= 128
+
+
+async def test_evictions_and_a_cache_reset_reach_every_following_mirror():
+    clock, engines = _sims(1, True, num_blocks=20)
+    async with Gateway(engines, clock=clock) as a, Gateway(engines, clock=clock) as b:
+        follower = b._replicas[0].cache_follower
+        assert follower is not None
+        await _drain(a.generate("first prefix " * 18, SP))
+        learned = len(b._replicas[0].mirror)
+        assert learned >= 14
+        for i in range(4):  # fill the pool: the first prompt's blocks go
+            await _drain(a.generate(f"other prefix {i} " * 15, SP))
+        assert follower.removed > 0 and len(b._replicas[0].mirror) <= 19
+        assert await engines[0].reset_prefix_cache()
+        assert len(b._replicas[0].mirror) == 0 == len(a._replicas[0].mirror)
+    assert follower is b._replicas[0].cache_follower and not engines[0]._cache_listeners
