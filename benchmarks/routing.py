@@ -114,6 +114,9 @@ class Replicas:
         self._servers: Any = None
         self._warm = False
         self.gpu = False
+        self.cache_events = False
+        """The engines publish their KV cache events (servers: ``--kv-events-config``; the
+        simulator: ``cache_events``) and the gateways' mirrors follow them."""
 
     def params(self, max_tokens: int) -> Any:
         """Sampling parameters: every request generates ``max_tokens`` tokens."""
@@ -146,7 +149,8 @@ class Replicas:
                               max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
                               max_model_len=min(p.max_model_len, (blocks - 1) * p.block_size),
                               step_time=StepTimeModel(*p.step_time, overlap=p.overlap),
-                              tokenizer=self.tokenizer, clock=clock) for _ in range(self.replicas)], clock
+                              tokenizer=self.tokenizer, clock=clock, cache_events=self.cache_events)
+                    for _ in range(self.replicas)], clock
         from prefixgate import MonotonicClock, VllmEngine
 
         if self.kind == "remote":
@@ -186,15 +190,17 @@ class Replicas:
             if self.gpu:  # 1B-shaped servers sharing the GPU, as the in-process "vllm" arm
                 self._servers = VllmServers(
                     self.replicas, str(self.model_dir), num_blocks=self.kv_blocks, max_model_len=8192,
-                    cpu=False, sequential=True, start_timeout=600,
+                    cpu=False, sequential=True, start_timeout=600, kv_events=self.cache_events,
                     extra_args=["--gpu-memory-utilization", f"{0.8 / self.replicas:.3f}",
                                 "--dtype", "bfloat16"]).start()
             else:
-                self._servers = VllmServers(self.replicas, str(self.model_dir),
-                                            num_blocks=self.kv_blocks).start()
+                self._servers = VllmServers(self.replicas, str(self.model_dir), num_blocks=self.kv_blocks,
+                                            kv_events=self.cache_events).start()
         for e in self._vllm:
             await e.close()
-        self._vllm = [await RemoteVllm.connect(url, max_num_seqs=256) for url in self._servers.urls]
+        events = self._servers.event_endpoints or [None] * self.replicas
+        self._vllm = [await RemoteVllm.connect(url, max_num_seqs=256, kv_events=ep)
+                      for url, ep in zip(self._servers.urls, events, strict=True)]
         if not self._warm:
             await asyncio.gather(*(_drain(e.generate(_request(e, f"warm-{k}", "warm up " * 64,
                                                               self.params(4))))
@@ -419,11 +425,13 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
 
 async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_tokens: int, kv_share: float,
              tokenizer: Any, pair: bool = False, groups: int | None = None,
-             pool: Replicas | None = None, arrival_spread: float = 0.0) -> dict[str, Any]:
+             pool: Replicas | None = None, arrival_spread: float = 0.0,
+             cache_events: bool = False) -> dict[str, Any]:
     """Every arm ``repeats`` times (seeds 0..) on one replica count and popularity; with
     ``pair``, also two independent gateways (:func:`run_pair`) for ``L`` and ``L ring``. On
     ``pool``'s engines (real ones), else on simulators whose KV is ``kv_share`` times a replica's
-    share of the working set. Requests are sent evenly over ``arrival_spread`` seconds."""
+    share of the working set (publishing their cache events with ``cache_events``). Requests are
+    sent evenly over ``arrival_spread`` seconds."""
     from .ceiling import ceiling
 
     groups = groups or 16 * replicas
@@ -433,8 +441,11 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
     for seed in range(repeats):
         trace = _trace(groups, popularity, prefix_tokens, seed, tokenizer)
         working_set = len({r.group for r in trace.requests}) * prefix_tokens
-        engines = pool or Replicas("sim", replicas, tokenizer,
-                                   kv_tokens=int(kv_share * working_set / replicas) + 64 * 128)
+        engines = pool
+        if engines is None:
+            engines = Replicas("sim", replicas, tokenizer,
+                               kv_tokens=int(kv_share * working_set / replicas) + 64 * 128)
+            engines.cache_events = cache_events
         ceilings.append(ceiling([tokenizer.encode(r.prompt) for r in trace.requests],
                                 engines.block_size).hit_rate)
         for arm in ARMS:
@@ -461,6 +472,7 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
     rr = med["RR"]
     return {"replicas": replicas, "popularity": popularity, "groups": groups, "ceiling_hit_rate": h_star,
             "arrival_spread": arrival_spread,
+            "cache_events": cache_events or bool(pool and pool.cache_events),
             "medians": med,
             "ratios": {a: {"req_per_s_vs_RR": m["req_per_s"] / rr["req_per_s"],
                            "hit_rate_vs_ceiling": m["hit_rate"] / h_star} for a, m in med.items()},
@@ -535,13 +547,15 @@ async def _cases(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             pool = Replicas("vllm-cpu", n, tokenizer, kv_blocks=args.kv_blocks,
                             model_dir=str(ROOT / "tests" / "fixtures" / "tiny-llama"))
+        if pool is not None:
+            pool.cache_events = args.cache_events
         try:
             for popularity in args.popularity:
                 cases.append(await run_case(
                     n, popularity, repeats=args.repeats, prefix_tokens=args.prefix_tokens,
                     kv_share=args.kv_share, tokenizer=tokenizer, groups=args.groups,
                     pair=not args.no_pair and (popularity == "zipf" or args.pair_even), pool=pool,
-                    arrival_spread=args.arrival_spread))
+                    arrival_spread=args.arrival_spread, cache_events=args.cache_events))
                 print(format_table(cases[-1:]), flush=True)
                 if args.json:  # so far, in case a later case does not finish
                     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -578,6 +592,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokenizer", type=Path, default=ROOT / "tests" / "fixtures" / "tiny-llama")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
+    p.add_argument("--cache-events", action="store_true",
+                   help="the engines publish their KV cache events (servers: --kv-events-config) and "
+                   "every gateway's mirrors follow them")
     p.add_argument("--cost-epsilon", type=float, default=None,
                    help="L: CostPlacement(epsilon=...), loads bounded as consistent_hash bounds them")
     p.add_argument("--cost-request-tokens", type=int, default=None,

