@@ -10,6 +10,7 @@ them, admit only what fits, and stream results back::
             ...
 """
 
+from .cache_events import BlocksRemoved, BlocksStored, CacheCleared, CacheEvent, CacheFollower
 from .canonicalize import (
     RULE_SETS,
     CanonicalizeConfig,
@@ -44,7 +45,6 @@ from .errors import (
     ShuttingDown,
     UsageError,
 )
-from .cache_events import BlocksRemoved, BlocksStored, CacheCleared, CacheEvent, CacheFollower
 from .gateway import Gateway
 from .keys import BlockHash, Namespace, block_hashes
 from .ordering import Fcfs, OrderingPolicy, PrefixOrder, PriorityOrder

@@ -112,6 +112,10 @@ class CacheFollower:
                 self._keys.clear()
                 self.mirror.clear()
 
+    def reset(self) -> None:
+        """Forgets the engine's hashes (the engine restarted: its cache is empty)."""
+        self._keys.clear()
+
     def _stored(self, event: BlocksStored) -> None:
         n = len(event.block_hashes)
         if event.media or n == 0 or len(event.token_ids) != n * self.block_size:

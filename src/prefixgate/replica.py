@@ -107,6 +107,8 @@ class Replica:
             return False
         self.dead = None
         self.mirror.clear()  # in place: the scheduler and placement read this same mirror
+        if self.cache_follower is not None:
+            self.cache_follower.reset()
         return True
 
     def watch(self, running: Collection[Ticket],
