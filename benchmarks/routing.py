@@ -500,23 +500,33 @@ def format_table(cases: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(cases: Sequence[dict[str, Any]], out: Path) -> None:
-    """Bars of req/s (× RR) and hit rate (× H*) per case and arm."""
+def plot(cases: Sequence[dict[str, Any]], out: Path, title: str = "W5 (sim)") -> None:
+    """Bars of req/s (× RR) and hit rate (× H*) per case and arm, and, where two gateways ran,
+    the share of groups with >= 95% of their requests on one replica."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    pairs = any(c.get("pairs") for c in cases)
+    fig, axes = plt.subplots(1, 3 if pairs else 2, figsize=(18 if pairs else 12, 4.5))
     labels = [f"{c['replicas']}\n{c['popularity']}" for c in cases]
     width = 0.8 / len(ARMS)
     for k, arm in enumerate(ARMS):
         xs = [i + k * width for i in range(len(cases))]
         axes[0].bar(xs, [c["ratios"][arm]["req_per_s_vs_RR"] for c in cases], width, label=arm)
         axes[1].bar(xs, [c["ratios"][arm]["hit_rate_vs_ceiling"] for c in cases], width, label=arm)
-    for ax, title in zip(axes, ("req/s / round robin", "hit rate / H*"), strict=True):
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], labels)
-        ax.set_title(f"W5 (sim): {title}")
+    titles = ["req/s / round robin", "hit rate / H*"]
+    if pairs:
+        for k, arm in enumerate(("L", "L ring")):
+            xs = [i + k * width for i in range(len(cases))]
+            axes[2].bar(xs, [(c.get("pairs", {}).get(arm) or {}).get("groups_modal_95") or 0 for c in cases],
+                        width, label=f"two gateways, {arm}", color=f"C{ARMS.index(arm)}")
+        titles.append("groups >= 95% on one replica")
+    for k, (ax, name) in enumerate(zip(axes, titles, strict=True)):
+        middle = width / 2 if k == 2 else 0.4 - width / 2  # the pair panel has two bars per case
+        ax.set_xticks([i + middle for i in range(len(cases))], labels)
+        ax.set_title(f"{title}: {name}")
         ax.legend(fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -626,7 +636,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.json}")
     if args.png:
-        plot(cases, args.png)
+        title = f"W5 ({args.engine}{', cache events' if args.cache_events else ''}" + \
+            (f", over {args.arrival_spread:g} s)" if args.arrival_spread else ")")
+        plot(cases, args.png, title)
         print(f"wrote {args.png}")
     return 0
 
