@@ -264,6 +264,20 @@ def test_gateway_config_from_flags_and_environment():
     assert {"max_queue_len", "ordering", "placement", "kv_budget"} <= {n for n, _, _ in config_fields()}
     with pytest.raises(ValueError, match=r"GatewayConfig\.max_queue_len"):
         gateway_config({"max_queue_len": "many"})
+    options, _, _ = parse_args(["--replica", "http://a:1", "--kv-events", "tcp://a:5557"],
+                               {"PREFIXGATE_KV_EVENTS": "tcp://x:1,tcp://y:2"})
+    assert options["kv_events"] == ["tcp://a:5557"]  # one per --replica; the flag wins
+    assert parse_args([], {"PREFIXGATE_KV_EVENTS": "tcp://x:1,tcp://y:2"})[0]["kv_events"] == [
+        "tcp://x:1", "tcp://y:2"]
+
+
+async def test_serve_refuses_kv_events_that_do_not_pair_with_the_replicas():
+    from prefixgate.serve.cli import serve
+
+    options, _, _ = parse_args(["--replica", "http://a:1", "--replica", "http://b:2",
+                                "--kv-events", "tcp://a:5557"], {})
+    with pytest.raises(SystemExit, match="one endpoint per --replica"):
+        await serve(options, GatewayConfig(), [])
 
 
 async def test_retry_after_honoured_by_the_openai_client_gets_nine_in_ten_admitted():

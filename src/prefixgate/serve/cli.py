@@ -81,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="port to listen on (8000)")
     serve.add_argument("--replica", action="append", default=None, metavar="URL",
                        help="a vLLM server to route to (repeatable; comma-separated in the environment)")
+    serve.add_argument("--kv-events", action="append", default=None, metavar="ENDPOINT",
+                       help="where a --replica publishes its KV cache events (tcp://host:port, its "
+                       "--kv-events-config endpoint; one per --replica, in order): every gateway's "
+                       "mirror then follows what any gateway cached there")
     serve.add_argument("--tokenizer", default=None, help="local tokenizer for remote replicas")
     serve.add_argument("--max-num-seqs", type=int, default=None,
                        help="each remote replica's max_num_seqs (sizes its in-flight window)")
@@ -94,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-_SERVE_DEFAULTS: dict[str, Any] = {"host": "127.0.0.1", "port": 8000, "replica": [], "tokenizer": None,
+_SERVE_DEFAULTS: dict[str, Any] = {"host": "127.0.0.1", "port": 8000, "replica": [], "kv_events": [],
+                                   "tokenizer": None,
                                    "max_num_seqs": None, "served_model_name": None,
                                    "tenant_header": "x-prefixgate-tenant", "min_retry_after": 0.1,
                                    "log_level": "info"}
@@ -119,7 +124,7 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None
         value = values[key]
         if value is None and (_ENV + key.upper()) in env:
             text = env[_ENV + key.upper()]
-            value = ([u for u in text.split(",") if u] if key == "replica"
+            value = ([u for u in text.split(",") if u] if key in ("replica", "kv_events")
                      else type(default)(text) if isinstance(default, int | float) else text)
         options[key] = default if value is None else value
     fields = {}
@@ -164,9 +169,10 @@ async def _engines(options: Mapping[str, Any], engine_args: Sequence[str]) -> tu
     if options["replica"]:
         from ..remote import RemoteVllm
 
+        events = options["kv_events"] or [None] * len(options["replica"])
         remotes = [await RemoteVllm.connect(url, tokenizer=options["tokenizer"],
-                                            max_num_seqs=options["max_num_seqs"])
-                   for url in options["replica"]]
+                                            max_num_seqs=options["max_num_seqs"], kv_events=endpoint)
+                   for url, endpoint in zip(options["replica"], events, strict=True)]
 
         async def stop_remote() -> None:
             for r in remotes:
@@ -195,6 +201,9 @@ async def serve(options: Mapping[str, Any], config: GatewayConfig, engine_args: 
     from ..gateway import Gateway
     from .app import create_app
 
+    if options["kv_events"] and len(options["kv_events"]) != len(options["replica"]):
+        raise SystemExit(f"prefixgate serve: --kv-events needs one endpoint per --replica, in order "
+                         f"(got {len(options['kv_events'])} for {len(options['replica'])})")
     if options["replica"] and engine_args:
         raise SystemExit(f"prefixgate serve: with --replica, vLLM engine arguments do not apply: "
                          f"{list(engine_args)}")
