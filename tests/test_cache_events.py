@@ -206,3 +206,59 @@ def test_vllm_kv_event_batches_become_cache_events():
     for bad in ({"ts": 1}, [1.0, [3], 0]):
         with pytest.raises(ValueError):
             kv_events(bad)
+
+
+async def test_a_remote_engine_reads_kv_event_batches_off_zmq_and_counts_the_lost_ones():
+    # A ZMQ publisher speaking vLLM's wire (topic, 8-byte big-endian sequence, msgpack batch), in
+    # process: batches reach every listener in order; a gap in the sequence is counted; a batch
+    # that does not decode is skipped and the reader goes on.
+    zmq = pytest.importorskip("zmq")
+    msgspec = pytest.importorskip("msgspec")
+    from prefixgate import RemoteVllm
+    from prefixgate.testing import ByteTokenizer
+
+    class Client:
+        async def aclose(self) -> None:
+            pass
+
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    engine = RemoteVllm("http://unused", Client(), model="m", block_size=4, num_blocks=16, max_model_len=64,
+                        tokenizer=ByteTokenizer())
+    assert engine.add_cache_listener(lambda events: None) is None  # not following: nothing to hear
+    engine._follow(f"tcp://127.0.0.1:{port}", "kv")
+    heard: list = []
+    remove = engine.add_cache_listener(heard.extend)
+    assert remove is not None
+    stored = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+              "token_ids": [1, 2, 3, 4], "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+    def send(seq: int, payload: bytes, topic: bytes = b"kv") -> None:
+        pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
+
+    try:
+        for _ in range(100):  # a SUB socket joins asynchronously: publish until one batch lands
+            send(0, msgspec.msgpack.encode([0.0, [stored], 0]))
+            await asyncio.sleep(0.02)
+            if heard:
+                break
+        assert heard and heard[0] == BlocksStored((1,), None, (1, 2, 3, 4))
+        first = engine.event_batches
+        send(3, b"\xc1 not msgpack")  # after 0: two batches lost, then one that does not decode
+        send(4, msgspec.msgpack.encode([0.0, [{"type": "BlockRemoved", "block_hashes": [1],
+                                                        "medium": "GPU"}], 0]))
+        send(5, msgspec.msgpack.encode([0.0, [stored], 0]), topic=b"other")  # not subscribed
+        for _ in range(100):
+            if heard[-1] == BlocksRemoved((1,)):
+                break
+            await asyncio.sleep(0.02)
+        assert heard[-1] == BlocksRemoved((1,))
+        assert engine.event_batches_missed == 2 and engine.event_batches == first + 2
+        remove()
+        send(5, msgspec.msgpack.encode([0.0, [stored], 0]))
+        await asyncio.sleep(0.1)
+        assert heard[-1] == BlocksRemoved((1,))  # removed: hears nothing more
+    finally:
+        await engine.close()
+        pub.close(linger=0)
+    assert engine._events is not None and engine._events.done()
