@@ -151,21 +151,24 @@ async def _one(gateway: Any, prompt: Any, params: Any, timer: _StageTimer | None
             timer._add("stream", time.perf_counter() - timer.yielded)
 
 
-def _engine(tokenizer: Any) -> Any:
+def _engine(tokenizer: Any, events: bool = False) -> Any:
     from prefixgate.testing import NullEngine
 
-    return NullEngine(tokenizer=tokenizer, block_size=16)
+    return NullEngine(tokenizer=tokenizer, block_size=16, cache_events=events)
 
 
 async def _cost(tokenizer: Any, prompts: Sequence[Any], ingress: str, warmup: int, replicas: int = 1,
-                placement: str = "cost") -> dict[str, Any]:
+                placement: str = "cost", events: bool = False) -> dict[str, Any]:
     """Sequential requests; CPU per request over every process, minus what the tokenizer took
     for that very request (timed around it, in the main process or reported by the worker).
-    With ``replicas`` > 1, a gateway over that many engines, placing by ``placement``."""
+    With ``replicas`` > 1, a gateway over that many engines, placing by ``placement``. With
+    ``events``, the engines publish every prompt's full blocks as stored (all new: the most the
+    gateway's mirrors have to re-key) and the gateway follows them."""
     from prefixgate import Gateway, GatewayConfig
     from prefixgate.testing import FakeSamplingParams
 
-    engine = _engine(tokenizer) if replicas == 1 else [_engine(tokenizer) for _ in range(replicas)]
+    engines = [_engine(tokenizer, events) for _ in range(replicas)]
+    engine = engines[0] if replicas == 1 else engines
     params = FakeSamplingParams(max_tokens=1)
     async with Gateway(engine, GatewayConfig(ingress=ingress, placement=placement)) as gw:
         pool = gw._pool
@@ -373,14 +376,17 @@ def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | 
             warm = 10
             # Rounds interleave the variants, so a machine that slows down mid-run slows all alike;
             # each figure is the median over rounds of the round's p50 (p99).
-            runs: dict[str, list[dict[str, Any]]] = {"pool": [], "inline": [], "pre": [], "before": []}
+            runs: dict[str, list[dict[str, Any]]] = {"pool": [], "inline": [], "pre": [], "before": [],
+                                                     "events": []}
             for _ in range(rounds):
                 runs["pool"].append(asyncio.run(_cost(tokenizer, texts, "processes", warm)))
                 runs["inline"].append(asyncio.run(_cost(tokenizer, texts, "inline", warm)))
                 runs["pre"].append(asyncio.run(_cost(tokenizer, ids, "inline", warm)))
+                runs["events"].append(asyncio.run(_cost(tokenizer, ids, "inline", warm, events=True)))
                 if before is not None:
                     runs["before"].append(asyncio.run(_cost_before(before, tokenizer, texts, warm)))
-            text_default, text_inline, pre = (_rounds(runs[k]) for k in ("pool", "inline", "pre"))
+            text_default, text_inline, pre, events = (_rounds(runs[k])
+                                                      for k in ("pool", "inline", "pre", "events"))
             old = _rounds(runs["before"]) if runs["before"] else None
             # Routing (issue 12): pre-tokenized prompts through a gateway over N engines, placed
             # by each policy, in the same interleaved rounds' manner; the excess over one engine
@@ -411,6 +417,12 @@ def run_overhead(*, sizes: Sequence[int] = SIZES, requests: Mapping[int, int] | 
                 "pool_rounds": text_default["rounds"],
                 "pretokenized": {"gateway_us_p50": pre["us_p50"], "gateway_us_p99": pre["us_p99"],
                                  "stages": stages_pre, "max_req_per_s": rate},
+                # The engine publishes every prompt's blocks as newly stored and the gateway's
+                # mirror follows them (cache_events): the worst case, a prompt never seen.
+                "cache_events_pretokenized": {"gateway_us_p50": events["us_p50"],
+                                              "gateway_us_p99": events["us_p99"],
+                                              "events_us_p50": events["us_p50"] - pre["us_p50"],
+                                              "rounds": events["rounds"]},
             }
             if old is not None:
                 entry["before"] = old
@@ -468,6 +480,11 @@ def format_table(result: Mapping[str, Any]) -> str:
             lines.append(f"{size:>7}  routing ({placement}, pre-tokenized; µs p50, over one engine): "
                          + ", ".join(f"{n} replicas {r['gateway_us_p50']:.1f} ({r['routing_us_p50']:+.1f})"
                                      for n, r in per.items()))
+    for size, e in result["sizes"].items():
+        ev = e.get("cache_events_pretokenized")
+        if ev:
+            lines.append(f"{size:>7}  following cache events (pre-tokenized, every block new; µs p50): "
+                         f"{ev['gateway_us_p50']:.1f} ({ev['events_us_p50']:+.1f} over none)")
     huge = result.get("huge_prompt")
     if huge:
         lines.append(f"huge prompt ({huge['huge_chars']:,} chars) among {huge['requests']} requests: p99 "

@@ -262,3 +262,14 @@ async def test_a_remote_engine_reads_kv_event_batches_off_zmq_and_counts_the_los
         await engine.close()
         pub.close(linger=0)
     assert engine._events is not None and engine._events.done()
+
+
+async def test_the_null_engine_publishes_each_prompts_blocks_for_the_overhead_benchmark():
+    from prefixgate.testing import NullEngine
+
+    engine = NullEngine(block_size=4, cache_events=True)
+    async with Gateway(engine, GatewayConfig(ingress="inline")) as gw:
+        await _drain(gw.generate(list(range(1, 11)), SP))
+        follower = gw._replicas[0].cache_follower
+        assert follower is not None and (follower.stored, follower.skipped) == (2, 0)
+    assert NullEngine().add_cache_listener(lambda events: None) is None

@@ -24,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cache_events import BlocksStored, CacheEvent
 from .clock import AutoClock, Clock, FakeClock, run_until_idle
 from .engine import EngineRequest, KvStats, SamplingCheck, check_max_tokens, read_completion
 from .errors import EngineDead, EngineError, InvalidRequest
@@ -225,6 +226,10 @@ class NullEngine:
         started: How many requests it was given.
         on_generate: Called with each request as the engine receives it (instrumentation).
         on_output: Called just before the output is yielded (instrumentation).
+        cache_events: Publish, for each request, that every full block of its prompt was stored
+            (fresh hashes, as for a prompt never seen: the most a follower has to re-key), to
+            listeners added with :meth:`add_cache_listener`. For measuring what following the
+            engine's cache events costs the gateway.
     """
 
     tokenizer: Any = field(default_factory=ByteTokenizer)
@@ -236,9 +241,25 @@ class NullEngine:
     started: int = 0
     on_generate: Any = None
     on_output: Any = None
+    cache_events: bool = False
+    _listeners: list[Callable[[Sequence[CacheEvent]], None]] = field(default_factory=list)
+    _hashes: int = 0
 
     def default_sampling_params(self) -> FakeSamplingParams:
         return FakeSamplingParams(max_tokens=1)
+
+    def add_cache_listener(self, listener: Callable[[Sequence[CacheEvent]], None]
+                           ) -> Callable[[], None] | None:
+        """Calls ``listener`` with each request's stored blocks (``cache_events``)."""
+        if not self.cache_events:
+            return None
+        listeners = self._listeners
+        listeners.append(listener)
+
+        def remove() -> None:
+            if listener in listeners:
+                listeners.remove(listener)
+        return remove
 
     def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
         return SamplingCheck(max_tokens=check_max_tokens(getattr(sampling_params, "max_tokens", None)))
@@ -252,6 +273,14 @@ class NullEngine:
         self.started += 1
         if self.on_generate is not None:
             self.on_generate(request)
+        if self._listeners:
+            size = self.block_size
+            full = len(request.prompt_token_ids) // size
+            first, self._hashes = self._hashes, self._hashes + full
+            event = BlocksStored(tuple(range(first, first + full)), None,
+                                 tuple(request.prompt_token_ids[: full * size]), request.cache_salt)
+            for listener in self._listeners:
+                listener([event])
         out = FakeOutput(request.request_id, (), (FakeCompletion((7,), finish_reason="length"),), True)
         if self.on_output is not None:
             self.on_output(out)
