@@ -53,9 +53,10 @@ def test_a_follower_rekeys_stored_blocks_from_the_salts_root_and_skips_what_it_c
                     BlocksStored((3,), 2, tuple(tokens[8:]), "salt-t"),
                     BlocksStored((9,), None, tuple(tokens[:4]), "salt-unknown"),
                     BlocksStored((8,), 77, tuple(tokens[:4])),  # its parent was never stored
-                    BlocksStored((7,), None, tuple(tokens[:3]))])  # not a whole block
+                    BlocksStored((7,), None, tuple(tokens[:3])),  # not a whole block
+                    BlocksStored((6,), None, tuple(tokens[:4]), salt_known=False)])  # whose?
     assert mirror.match(ours["salt-t"]) == 3 and mirror.match(ours[None]) == 0
-    assert (follower.stored, follower.skipped) == (3, 3)
+    assert (follower.stored, follower.skipped) == (3, 4)
     follower.apply([BlocksRemoved((2, 99))])
     assert mirror.match(ours["salt-t"]) == 1 and follower.removed == 2
     follower.apply([BlocksStored((5,), None, tuple(tokens[:4])), CacheCleared()])
@@ -193,6 +194,7 @@ def test_vllm_kv_event_batches_become_cache_events():
          "extra_keys": [["adapter"]], "lora_name": "adapter"},
         {**stored, "extra_keys": [[["image-hash", 0], "prefixgate-abc"], None]},  # media
         {**stored, "medium": "CPU"},  # an offloading tier: not what requests hit first
+        {k: v for k, v in stored.items() if k != "extra_keys"},  # no extra keys: whose salt?
         {"type": "BlockRemoved", "block_hashes": [13], "medium": "GPU"},
         {"type": "AllBlocksCleared"},
     ], 0]
@@ -200,6 +202,7 @@ def test_vllm_kv_event_batches_become_cache_events():
         BlocksStored((11, 12), None, tuple(range(8)), "prefixgate-abc"),
         BlocksStored((13,), 12, (8, 9, 10, 11), None, "adapter"),
         BlocksStored((11, 12), None, tuple(range(8)), "prefixgate-abc", media=True),
+        BlocksStored((11, 12), None, tuple(range(8)), salt_known=False),
         BlocksRemoved((13,)),
         CacheCleared(),
     ]
@@ -231,7 +234,8 @@ async def test_a_remote_engine_reads_kv_event_batches_off_zmq_and_counts_the_los
     remove = engine.add_cache_listener(heard.extend)
     assert remove is not None
     stored = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-              "token_ids": [1, 2, 3, 4], "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None}
+              "token_ids": [1, 2, 3, 4], "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None,
+              "extra_keys": [None]}
 
     def send(seq: int, payload: bytes, topic: bytes = b"kv") -> None:
         pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])

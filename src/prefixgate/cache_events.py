@@ -43,6 +43,9 @@ class BlocksStored:
         lora: The LoRA adapter's name, or ``None``.
         media: Whether media items fall in these blocks (their keys depend on the items'
             identifiers, which the event does not carry in a form the gateway hashes).
+        salt_known: Whether the event says the salt (a vLLM whose events carry no extra keys
+            does not: a run from the start of a prompt is then skipped, since it may be any
+            tenant's).
     """
 
     block_hashes: tuple[Hashable, ...]
@@ -51,6 +54,7 @@ class BlocksStored:
     cache_salt: str | None = None
     lora: str | None = None
     media: bool = False
+    salt_known: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +127,7 @@ class CacheFollower:
             return
         if event.parent is None:
             parent_key = None
-            root = self.root_for(event.cache_salt, event.lora)
+            root = self.root_for(event.cache_salt, event.lora) if event.salt_known else None
         else:
             root = parent_key = self._keys.get(event.parent)
         if root is None:

@@ -221,7 +221,8 @@ def kv_events(batch: Any) -> list[CacheEvent]:
     Only the engine's own KV counts (``medium`` ``GPU``, the main cache group): blocks in an
     offloading tier are not what a request hits first. A stored run whose extra keys hold more
     than a cache salt and the LoRA name (media, prompt embeddings) is marked ``media`` (the
-    gateway keys those on what it was sent, not on what the event says).
+    gateway keys those on what it was sent, not on what the event says); one without extra keys
+    at all (a vLLM older than the salt in its events) has ``salt_known`` false.
 
     Raises:
         ValueError: ``batch`` is not shaped like a ``KVEventBatch``.
@@ -254,5 +255,6 @@ def kv_events(batch: Any) -> list[CacheEvent]:
                 if i == 0 and strings:
                     salt, media = strings[-1], media or len(strings) > 1
             tokens = tuple(event.get("token_ids") or ())
-            out.append(BlocksStored(hashes, event.get("parent_block_hash"), tokens, salt, lora, media=media))
+            out.append(BlocksStored(hashes, event.get("parent_block_hash"), tokens, salt, lora, media=media,
+                                    salt_known="extra_keys" in event))
     return out
