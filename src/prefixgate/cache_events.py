@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .keys import BlockHash, chain_hashes, pack_tokens
 from .mirror import PrefixMirror
 
-__all__ = ["BlocksRemoved", "BlocksStored", "CacheCleared", "CacheEvent", "CacheFollower"]
+__all__ = ["BlocksRemoved", "BlocksStored", "CacheCleared", "CacheEvent", "CacheFollower", "CacheListeners"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,39 @@ class CacheCleared:
 
 
 CacheEvent = BlocksStored | BlocksRemoved | CacheCleared
+
+
+class CacheListeners:
+    """Who an engine tells of its cache events: the engine side of ``add_cache_listener``.
+
+    Args:
+        owner: Names the engine in the log when a listener fails.
+    """
+
+    def __init__(self, owner: str = "an engine") -> None:
+        self.owner = owner
+        self._listeners: list[Callable[[Sequence[CacheEvent]], None]] = []
+
+    def add(self, listener: Callable[[Sequence[CacheEvent]], None]) -> Callable[[], None]:
+        """Adds ``listener``; returns what removes it (idempotent)."""
+        listeners = self._listeners
+        listeners.append(listener)
+
+        def remove() -> None:
+            if listener in listeners:
+                listeners.remove(listener)
+        return remove
+
+    def publish(self, events: Sequence[CacheEvent]) -> None:
+        """Gives ``events`` to every listener; one that raises is logged and the rest still hear."""
+        for listener in tuple(self._listeners):
+            try:
+                listener(events)
+            except Exception:  # a listener's bug must not stop the engine
+                log.exception("prefixgate: a cache event listener of %s failed", self.owner)
+
+    def __len__(self) -> int:
+        return len(self._listeners)
 
 
 class CacheFollower:

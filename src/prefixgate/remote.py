@@ -38,11 +38,11 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cache_events import CacheEvent
+from .cache_events import CacheEvent, CacheListeners
 from .clock import Clock, MonotonicClock
 from .engine import Completion, EngineRequest, KvStats, SamplingCheck, Tokenizer, check_max_tokens
 from .errors import EngineDead, EngineError, InvalidRequest, PrefixgateError
@@ -137,7 +137,7 @@ class RemoteVllm:
         self._monitor: asyncio.Task[None] | None = None
         self._closed = False
         self._defaults: dict[type, Any] = {}
-        self._cache_listeners: list[Callable[[list[CacheEvent]], None]] = []
+        self._cache_listeners = CacheListeners(url)
         self._events: asyncio.Task[None] | None = None
         self.events_endpoint: str | None = None
         """Where the server publishes its KV cache events, when followed."""
@@ -232,18 +232,13 @@ class RemoteVllm:
 
     # -- KV cache events ----------------------------------------------------------------------
 
-    def add_cache_listener(self, listener: Callable[[list[CacheEvent]], None]) -> Callable[[], None] | None:
+    def add_cache_listener(self, listener: Callable[[Sequence[CacheEvent]], None]
+                           ) -> Callable[[], None] | None:
         """Calls ``listener`` with each batch of the server's cache events, if they are followed
         (``kv_events``); returns what removes it, or ``None`` when they are not."""
         if self._events is None:
             return None
-        listeners = self._cache_listeners
-        listeners.append(listener)
-
-        def remove() -> None:
-            if listener in listeners:
-                listeners.remove(listener)
-        return remove
+        return self._cache_listeners.add(listener)
 
     def _follow(self, endpoint: str, topic: str) -> None:
         import msgspec
@@ -277,11 +272,7 @@ class RemoteVllm:
                     log.warning("prefixgate: an unreadable KV event batch from %s: %s",
                                 self.events_endpoint, e)
                     continue
-                for listener in tuple(self._cache_listeners):
-                    try:
-                        listener(events)
-                    except Exception:
-                        log.exception("prefixgate: a cache event listener of %s failed", self.url)
+                self._cache_listeners.publish(events)
         except asyncio.CancelledError:
             raise
         except Exception:  # the mirrors go back to what their own gateway dispatched

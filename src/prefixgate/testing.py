@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cache_events import BlocksStored, CacheEvent
+from .cache_events import BlocksStored, CacheEvent, CacheListeners
 from .clock import AutoClock, Clock, FakeClock, run_until_idle
 from .engine import EngineRequest, KvStats, SamplingCheck, check_max_tokens, read_completion
 from .errors import EngineDead, EngineError, InvalidRequest
@@ -242,7 +242,7 @@ class NullEngine:
     on_generate: Any = None
     on_output: Any = None
     cache_events: bool = False
-    _listeners: list[Callable[[Sequence[CacheEvent]], None]] = field(default_factory=list)
+    _listeners: CacheListeners = field(default_factory=lambda: CacheListeners("a NullEngine"))
     _hashes: int = 0
 
     def default_sampling_params(self) -> FakeSamplingParams:
@@ -251,15 +251,7 @@ class NullEngine:
     def add_cache_listener(self, listener: Callable[[Sequence[CacheEvent]], None]
                            ) -> Callable[[], None] | None:
         """Calls ``listener`` with each request's stored blocks (``cache_events``)."""
-        if not self.cache_events:
-            return None
-        listeners = self._listeners
-        listeners.append(listener)
-
-        def remove() -> None:
-            if listener in listeners:
-                listeners.remove(listener)
-        return remove
+        return self._listeners.add(listener) if self.cache_events else None
 
     def check_sampling_params(self, sampling_params: Any) -> SamplingCheck:
         return SamplingCheck(max_tokens=check_max_tokens(getattr(sampling_params, "max_tokens", None)))
@@ -279,8 +271,7 @@ class NullEngine:
             first, self._hashes = self._hashes, self._hashes + full
             event = BlocksStored(tuple(range(first, first + full)), None,
                                  tuple(request.prompt_token_ids[: full * size]), request.cache_salt)
-            for listener in self._listeners:
-                listener([event])
+            self._listeners.publish([event])
         out = FakeOutput(request.request_id, (), (FakeCompletion((7,), finish_reason="length"),), True)
         if self.on_output is not None:
             self.on_output(out)

@@ -15,12 +15,11 @@ and the same inputs always give the same outputs at the same virtual times.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache_events import CacheEvent
+from ..cache_events import CacheEvent, CacheListeners
 from ..clock import AutoClock
 from ..engine import (
     EngineRequest,
@@ -35,8 +34,6 @@ from ..keys import Namespace
 from ..testing import ByteTokenizer, FakeCompletion, FakeOutput, FakeSamplingParams
 from .loop import CoreThread, LoopServer, check_costs
 from .scheduler import OUTPUT_TOKEN, SimRequest, SimScheduler, StepPlan
-
-log = logging.getLogger(__name__)
 
 __all__ = ["SimClock", "SimEngine", "StepTimeModel"]
 
@@ -265,7 +262,7 @@ class SimEngine:
         self._stats: KvStats | None = None
         self._dead: BaseException | None = None
         self._on_step = on_step
-        self._cache_listeners: list[Callable[[Sequence[CacheEvent]], None]] = []
+        self._cache_listeners = CacheListeners("a SimEngine")
         if cache_events:
             self._core.pool.events = []
         self.shared_cpus: Sequence[LoopServer] = ()
@@ -451,23 +448,13 @@ class SimEngine:
         (``cache_events``); returns what removes it, or ``None`` when there are none to follow."""
         if self._core.pool.events is None:
             return None
-        listeners = self._cache_listeners
-        listeners.append(listener)
-
-        def remove() -> None:
-            if listener in listeners:
-                listeners.remove(listener)
-        return remove
+        return self._cache_listeners.add(listener)
 
     def _publish(self) -> None:
         events = self._core.pool.events
         if events:
             self._core.pool.events = []
-            for listener in tuple(self._cache_listeners):
-                try:
-                    listener(events)
-                except Exception:  # a listener's bug must not stop the engine
-                    log.exception("prefixgate: a cache event listener failed")
+            self._cache_listeners.publish(events)
 
     # -- the step loop ------------------------------------------------------------------------
 
