@@ -101,13 +101,13 @@ class PrefixMirror:
         run = self._tree.index.get(parent)
         if run is None:
             return False
-        path: list[Hashable] = list(run.keys[: run.keys.index(parent) + 1])
+        parts: list[Sequence[Hashable]] = [keys, run.keys[: run.keys.index(parent) + 1]]
         up = run.parent
-        while up is not None:
-            path[:0] = up.keys
+        while up is not None:  # the runs from the root to ``parent``, last first
+            parts.append(up.keys)
             up = up.parent
-        path.extend(keys)
-        self.insert(path)  # type: ignore[arg-type]  # the tree holds the keys inserted: BlockHashes
+        chain = [key for part in reversed(parts) for key in part]
+        self.insert(chain)  # type: ignore[arg-type]  # the tree holds the keys inserted: BlockHashes
         return True
 
     def forget(self, keys: Sequence[BlockHash]) -> int:
