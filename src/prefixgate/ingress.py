@@ -327,15 +327,7 @@ class Ingress:
         check = self.engine.check_sampling_params(sampling_params)
         lora_name = getattr(lora_request, "lora_name", None) if lora_request is not None else None
         isolated = tenant if self.config.isolate_tenants else None
-        root_key = (self.model, lora_name, isolated)
-        found = self._roots.get(root_key)
-        if found is None:
-            namespace = Namespace(*root_key)
-            found = (namespace, namespace.root(self.config.key_seed))
-            if len(self._roots) >= 4096:  # bounded: tenants come and go
-                self._roots.clear()
-            self._roots[root_key] = found
-        namespace, root = found
+        namespace, root = self._namespace(lora_name, isolated)
         salt = self._salt(isolated) if isolated is not None else None
         fields = dict(request_id=request_id, tenant=tenant, namespace=namespace, root=root,
                       cache_salt=salt, sampling_params=sampling_params, check=check,
@@ -396,12 +388,19 @@ class Ingress:
             tenant = None
         elif (tenant := self._salted.get(cache_salt)) is None:
             return None
+        return self._namespace(lora, tenant)[1]
+
+    def _namespace(self, lora: str | None, tenant: str | None) -> tuple[Namespace, BlockHash]:
+        """The namespace of this model, ``lora`` and ``tenant`` (``None``: shared), and its root."""
         root_key = (self.model, lora, tenant)
         found = self._roots.get(root_key)
         if found is None:
             namespace = Namespace(*root_key)
-            return namespace.root(self.config.key_seed)
-        return found[1]
+            found = (namespace, namespace.root(self.config.key_seed))
+            if len(self._roots) >= 4096:  # bounded: tenants come and go
+                self._roots.clear()
+            self._roots[root_key] = found
+        return found
 
     def _check_text(self, text: str) -> None:
         if not text:
