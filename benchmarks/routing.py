@@ -426,18 +426,20 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
 async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_tokens: int, kv_share: float,
              tokenizer: Any, pair: bool = False, groups: int | None = None,
              pool: Replicas | None = None, arrival_spread: float = 0.0,
-             cache_events: bool = False) -> dict[str, Any]:
+             cache_events: bool = False, arms: Sequence[str] = ARMS) -> dict[str, Any]:
     """Every arm ``repeats`` times (seeds 0..) on one replica count and popularity; with
     ``pair``, also two independent gateways (:func:`run_pair`) for ``L`` and ``L ring``. On
     ``pool``'s engines (real ones), else on simulators whose KV is ``kv_share`` times a replica's
     share of the working set (publishing their cache events with ``cache_events``). Requests are
-    sent evenly over ``arrival_spread`` seconds."""
+    sent evenly over ``arrival_spread`` seconds. ``arms``: which of :data:`ARMS` run (``RR``
+    always: the ratios are to it; the pair runs for those of ``L`` and ``L ring`` among them)."""
     from .ceiling import ceiling
 
     groups = groups or 16 * replicas
-    runs: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
+    arms = [a for a in ARMS if a in arms or a == "RR"]
+    runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     ceilings: list[float] = []
-    pairs_raw: dict[str, list[dict[str, Any]]] = {"L": [], "L ring": []}
+    pairs_raw: dict[str, list[dict[str, Any]]] = {a: [] for a in ("L", "L ring") if a in arms}
     for seed in range(repeats):
         trace = _trace(groups, popularity, prefix_tokens, seed, tokenizer)
         working_set = len({r.group for r in trace.requests}) * prefix_tokens
@@ -448,7 +450,7 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
             engines.cache_events = cache_events
         ceilings.append(ceiling([tokenizer.encode(r.prompt) for r in trace.requests],
                                 engines.block_size).hit_rate)
-        for arm in ARMS:
+        for arm in arms:
             r = await run_arm(arm, trace, engines, seed, arrival_spread)
             runs[arm].append(r)
             if pool is not None:
@@ -511,20 +513,24 @@ def plot(cases: Sequence[dict[str, Any]], out: Path, title: str = "W5 (sim)") ->
     pairs = any(c.get("pairs") for c in cases)
     fig, axes = plt.subplots(1, 3 if pairs else 2, figsize=(18 if pairs else 12, 4.5))
     labels = [f"{c['replicas']}\n{c['popularity']}" for c in cases]
-    width = 0.8 / len(ARMS)
-    for k, arm in enumerate(ARMS):
+    arms = [a for a in ARMS if all(a in c["ratios"] for c in cases)]
+    width = 0.8 / len(arms)
+    for k, arm in enumerate(arms):
         xs = [i + k * width for i in range(len(cases))]
-        axes[0].bar(xs, [c["ratios"][arm]["req_per_s_vs_RR"] for c in cases], width, label=arm)
-        axes[1].bar(xs, [c["ratios"][arm]["hit_rate_vs_ceiling"] for c in cases], width, label=arm)
+        color = f"C{ARMS.index(arm)}"
+        axes[0].bar(xs, [c["ratios"][arm]["req_per_s_vs_RR"] for c in cases], width, label=arm, color=color)
+        axes[1].bar(xs, [c["ratios"][arm]["hit_rate_vs_ceiling"] for c in cases], width, label=arm,
+                    color=color)
     titles = ["req/s / round robin", "hit rate / H*"]
+    paired = [a for a in ("L", "L ring") if a in arms]
     if pairs:
-        for k, arm in enumerate(("L", "L ring")):
+        for k, arm in enumerate(paired):
             xs = [i + k * width for i in range(len(cases))]
             axes[2].bar(xs, [(c.get("pairs", {}).get(arm) or {}).get("groups_modal_95") or 0 for c in cases],
                         width, label=f"two gateways, {arm}", color=f"C{ARMS.index(arm)}")
         titles.append("groups >= 95% on one replica")
     for k, (ax, name) in enumerate(zip(axes, titles, strict=True)):
-        middle = width / 2 if k == 2 else 0.4 - width / 2  # the pair panel has two bars per case
+        middle = (len(paired) - 1 if k == 2 else len(arms) - 1) * width / 2  # the bars' centre
         ax.set_xticks([i + middle for i in range(len(cases))], labels)
         ax.set_title(f"{title}: {name}")
         ax.legend(fontsize=8)
@@ -565,7 +571,8 @@ async def _cases(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any
                     n, popularity, repeats=args.repeats, prefix_tokens=args.prefix_tokens,
                     kv_share=args.kv_share, tokenizer=tokenizer, groups=args.groups,
                     pair=not args.no_pair and (popularity == "zipf" or args.pair_even), pool=pool,
-                    arrival_spread=args.arrival_spread, cache_events=args.cache_events))
+                    arrival_spread=args.arrival_spread, cache_events=args.cache_events,
+                    arms=args.arms))
                 print(format_table(cases[-1:]), flush=True)
                 if args.json:  # so far, in case a later case does not finish
                     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -599,6 +606,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--arrival-spread", type=float, default=0.0,
                    help="send each arm's requests evenly over this many seconds of the engines' clock "
                    "instead of at once (stands in for ingress time in the simulator)")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                   help="which arms run (RR always runs: the ratios are to it); the two-gateway "
+                   "runs are those of L and L ring among them")
     p.add_argument("--tokenizer", type=Path, default=ROOT / "tests" / "fixtures" / "tiny-llama")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
