@@ -258,14 +258,116 @@ async def test_a_remote_engine_reads_kv_event_batches_off_zmq_and_counts_the_los
             await asyncio.sleep(0.02)
         assert heard[-1] == BlocksRemoved((1,))
         assert engine.event_batches_missed == 2 and engine.event_batches == first + 2
+        send(0, msgspec.msgpack.encode([0.0, [stored], 0]))  # the server restarted: a new sequence
+        for _ in range(100):
+            if heard[-1] == BlocksStored((1,), None, (1, 2, 3, 4)):
+                break
+            await asyncio.sleep(0.02)
+        assert heard[-1] == BlocksStored((1,), None, (1, 2, 3, 4)) and engine.event_batches_missed == 2
+        heard_before = len(heard)
         remove()
-        send(5, msgspec.msgpack.encode([0.0, [stored], 0]))
+        removed = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
+        send(1, msgspec.msgpack.encode([0.0, [removed], 0]))
         await asyncio.sleep(0.1)
-        assert heard[-1] == BlocksRemoved((1,))  # removed: hears nothing more
+        assert len(heard) == heard_before  # removed: hears nothing more
     finally:
         await engine.close()
         pub.close(linger=0)
     assert engine._events is not None and engine._events.done()
+
+
+async def test_a_remote_engine_replays_from_vllms_publisher_what_it_missed_before_and_on_the_way():
+    # vLLM's own ZmqEventPublisher, with its replay endpoint: three batches are published before
+    # the engine follows (only the replay can give them), then live ones pass through a relay
+    # that drops two. Every batch reaches the listener once, in order, and none counts as lost.
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    pytest.importorskip("zmq")
+    import zmq
+    import zmq.asyncio
+
+    from prefixgate import RemoteVllm
+    from prefixgate.testing import ByteTokenizer
+
+    class Client:
+        async def aclose(self) -> None:
+            pass
+
+    def free_port() -> int:
+        probe = zmq.Context.instance().socket(zmq.REP)
+        port = probe.bind_to_random_port("tcp://127.0.0.1")
+        probe.close(linger=0)
+        return port
+
+    def batch(n: int) -> object:
+        return kv.KVEventBatch(ts=0.0, events=[kv.BlockStored(
+            block_hashes=[n + 1], parent_block_hash=None, token_ids=[n + 1] * 4, block_size=4, lora_id=None,
+            medium="GPU", lora_name=None, extra_keys=[None])])
+
+    def stored(n: int) -> BlocksStored:
+        return BlocksStored((n + 1,), None, (n + 1,) * 4)
+
+    pub_port, replay_port = free_port(), free_port()
+    publisher = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{pub_port}",
+                                     replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic="kv")
+    ctx = zmq.asyncio.Context.instance()
+    relay_in, relay_out = ctx.socket(zmq.SUB), ctx.socket(zmq.PUB)
+    relay_in.connect(f"tcp://127.0.0.1:{pub_port}")
+    relay_in.setsockopt(zmq.SUBSCRIBE, b"")
+    relay_port = relay_out.bind_to_random_port("tcp://127.0.0.1")
+    drop: set[int] = set()
+    dropped: list[int] = []
+
+    async def relay() -> None:
+        while True:
+            frames = await relay_in.recv_multipart()
+            seq = int.from_bytes(frames[1], "big")
+            if seq in drop:
+                dropped.append(seq)
+            else:
+                await relay_out.send_multipart(frames)
+
+    relaying = asyncio.ensure_future(relay())
+    engine = RemoteVllm("http://unused", Client(), model="m", block_size=4, num_blocks=16, max_model_len=64,
+                        tokenizer=ByteTokenizer())
+
+    async def until(done) -> None:
+        for _ in range(250):
+            if done():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("timed out")
+
+    try:
+        for n in range(3):
+            publisher.publish(batch(n))
+        await asyncio.sleep(0.2)  # the publisher's thread sends them to nobody and buffers them
+        engine._follow(f"tcp://127.0.0.1:{relay_port}", "kv", f"tcp://127.0.0.1:{replay_port}")
+        heard: list = []
+        engine.add_cache_listener(heard.extend)
+        await until(lambda: len(heard) == 3)
+        assert heard == [stored(n) for n in range(3)] and engine.event_batches_replayed == 3
+        n = 3  # live batches until one comes through the relay (both SUB sockets join late)
+        for _ in range(100):
+            publisher.publish(batch(n))
+            n += 1
+            await asyncio.sleep(0.05)
+            if len(heard) == n:
+                break
+        assert len(heard) == n
+        drop.update({n, n + 1})  # lost on the way; the next one shows the gap
+        for k in range(n, n + 3):
+            publisher.publish(batch(k))
+        await until(lambda: len(heard) == n + 3)
+        assert dropped == [n, n + 1]
+        assert heard == [stored(k) for k in range(n + 3)]
+        assert engine.event_batches == n + 3 and engine.event_batches_missed == 0
+        assert engine.event_batches_replayed >= 5
+    finally:
+        relaying.cancel()
+        await engine.close()
+        relay_in.close(linger=0)
+        relay_out.close(linger=0)
+        publisher.shutdown()
 
 
 async def test_the_null_engine_publishes_each_prompts_blocks_for_the_overhead_benchmark():

@@ -19,7 +19,9 @@ server's. The rest of what the engine protocol asks for comes from the server it
   (start the server with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher":
   "zmq", "endpoint": "tcp://*:5557"}'`` and connect with ``kv_events="tcp://host:5557"``): every
   gateway's mirror of the server then follows what all gateways' requests cached there
-  (:mod:`prefixgate.cache_events`).
+  (:mod:`prefixgate.cache_events`). With the publisher's ``replay_endpoint`` too (connect with
+  ``kv_events_replay``), a gateway that starts after the server has cached prefixes learns them,
+  and batches lost on the way are asked for again.
 
 Cancellation closes the HTTP stream; vLLM aborts a request whose client disconnects. A server
 that fails ``unhealthy_after`` health checks in a row is reported unhealthy to the gateway, which
@@ -144,16 +146,22 @@ class RemoteVllm:
         self.event_batches = 0
         """Event batches received from the server."""
         self.event_batches_missed = 0
-        """Batches the sequence numbers say were published but never arrived (a subscriber that
-        joined late, or a full queue): what they said is missing from the mirrors until those
-        blocks are stored again."""
+        """Batches the sequence numbers say were published but never arrived, nor came back
+        from a replay (a subscriber that joined late, or a full queue): what they said is missing
+        from the mirrors until those blocks are stored again."""
+        self.event_batches_replayed = 0
+        """Batches received from the server's replay endpoint (``kv_events_replay``): those
+        published before this engine followed the events, and those lost on the way."""
+        self.events_replay_endpoint: str | None = None
+        """Where the server answers requests to replay its recent event batches, when given."""
+        self._listening = asyncio.Event()
 
     @classmethod
     async def connect(cls, url: str, *, tokenizer: Any = None, model: str | None = None,
                       max_num_seqs: int | None = None, api_key: str | None = None,
                       timeout: float = 10.0, metrics_interval: float = 0.25, unhealthy_after: int = 2,
                       clock: Clock | None = None, kv_events: str | None = None,
-                      kv_events_topic: str = "") -> RemoteVllm:
+                      kv_events_topic: str = "", kv_events_replay: str | None = None) -> RemoteVllm:
         """Connects to a running vLLM server, reads what it serves, and starts watching it.
 
         Args:
@@ -174,6 +182,13 @@ class RemoteVllm:
                 ``None`` not to follow them. Followed, every gateway over this server sees what
                 any gateway's requests cached there and what the server evicted.
             kv_events_topic: The ``topic`` of the server's ``--kv-events-config``.
+            kv_events_replay: Where the server answers replay requests (``tcp://host:port``, the
+                port of its ``--kv-events-config`` ``replay_endpoint``), or ``None``. Given, the
+                first gateway to follow the events first learns every batch the server still
+                buffers (vLLM keeps its last ``buffer_steps``, 10,000 by default): what it cached
+                before this gateway started. A gap in the batches' sequence numbers is asked for
+                again the same way, so a batch lost on the way is not lost to the mirrors unless
+                the server no longer buffers it. Needs ``kv_events``.
 
         Raises:
             EngineDead: The server cannot be reached or does not answer as vLLM does.
@@ -227,7 +242,11 @@ class RemoteVllm:
         engine._record(parse_metrics(metrics.text), engine._clock.now())
         engine._monitor = asyncio.ensure_future(engine._watch())
         if kv_events is not None:
-            engine._follow(kv_events, kv_events_topic)
+            engine._follow(kv_events, kv_events_topic, kv_events_replay)
+        elif kv_events_replay is not None:
+            await engine.close()
+            raise ValueError("RemoteVllm.connect: kv_events_replay needs kv_events (the endpoint the "
+                             "server publishes on)")
         return engine
 
     # -- KV cache events ----------------------------------------------------------------------
@@ -238,9 +257,11 @@ class RemoteVllm:
         (``kv_events``); returns what removes it, or ``None`` when they are not."""
         if self._events is None:
             return None
-        return self._cache_listeners.add(listener)
+        remove = self._cache_listeners.add(listener)
+        self._listening.set()
+        return remove
 
-    def _follow(self, endpoint: str, topic: str) -> None:
+    def _follow(self, endpoint: str, topic: str, replay: str | None = None) -> None:
         import msgspec
         import zmq
         import zmq.asyncio
@@ -250,35 +271,96 @@ class RemoteVllm:
         socket.connect(endpoint)
         socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.events_endpoint = endpoint
-        self._events = asyncio.ensure_future(self._read_events(socket, msgspec.msgpack.Decoder()))
+        self.events_replay_endpoint = replay
+        self._events = asyncio.ensure_future(self._read_events(socket, msgspec.msgpack.Decoder(),
+                                                               topic.encode()))
 
-    async def _read_events(self, socket: Any, decoder: Any) -> None:
-        last: int | None = None
+    REPLAY_TIMEOUT = 2.0
+    """Seconds to wait for each message of a replay before giving it up."""
+
+    async def _read_events(self, socket: Any, decoder: Any, topic: bytes) -> None:
+        # Batches wait in the socket until a mirror listens: what they say is for the mirrors.
+        await self._listening.wait()
+        replay = self.events_replay_endpoint is not None
+        last: int | None = None  # the last batch applied, live or replayed
+        live: int | None = None  # the last batch received live
         try:
+            if replay:  # what the server cached before this gateway followed it
+                _, last = await self._replay(0, None, decoder, topic)
             while not self._closed:
                 frames = await socket.recv_multipart()
                 if len(frames) != 3:
                     continue
                 seq = int.from_bytes(frames[1], "big")
-                if last is not None and seq > last + 1:
-                    self.event_batches_missed += seq - last - 1
-                    log.warning("prefixgate: %d KV event batches from %s were lost",
-                                seq - last - 1, self.events_endpoint)
-                last = seq
-                self.event_batches += 1
-                try:
-                    events = kv_events(decoder.decode(frames[2]))
-                except Exception as e:  # one bad batch must not stop the follower
-                    log.warning("prefixgate: an unreadable KV event batch from %s: %s",
-                                self.events_endpoint, e)
+                if last is not None and seq <= last and (live is None or seq > live):
+                    live = seq  # the replay already gave it
                     continue
-                self._cache_listeners.publish(events)
+                if live is not None and seq <= live:
+                    last = None  # the sequence started again: the server restarted
+                expected = last + 1 if last is not None else 0 if replay else seq
+                lost = seq - expected
+                if lost > 0 and replay:
+                    lost -= (await self._replay(expected, seq, decoder, topic))[0]
+                if lost > 0:
+                    self.event_batches_missed += lost
+                    log.warning("prefixgate: %d KV event batches from %s were lost",
+                                lost, self.events_endpoint)
+                last = live = seq
+                self.event_batches += 1
+                self._publish_batch(frames[2], decoder)
         except asyncio.CancelledError:
             raise
         except Exception:  # the mirrors go back to what their own gateway dispatched
             log.exception("prefixgate: stopped following the KV events of %s", self.url)
         finally:
             socket.close(linger=0)
+
+    def _publish_batch(self, payload: bytes, decoder: Any) -> None:
+        try:
+            events = kv_events(decoder.decode(payload))
+        except Exception as e:  # one bad batch must not stop the follower
+            log.warning("prefixgate: an unreadable KV event batch from %s: %s", self.events_endpoint, e)
+            return
+        self._cache_listeners.publish(events)
+
+    async def _replay(self, start: int, stop: int | None, decoder: Any, topic: bytes
+                      ) -> tuple[int, int | None]:
+        """Asks the server to replay its buffered batches from ``start`` and applies those
+        before ``stop`` (all, with ``None``), in order; returns how many it applied and the last
+        one's sequence number. vLLM's wire: a DEALER sends ``("", start)``, the ROUTER answers
+        ``("", topic, seq, batch)`` per batch and ``("", "", -1, "")`` at the end."""
+        import zmq
+        import zmq.asyncio
+
+        applied, last, endpoint = 0, None, self.events_replay_endpoint
+        assert endpoint is not None
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            await asyncio.wait_for(sock.send_multipart([b"", start.to_bytes(8, "big")]), self.REPLAY_TIMEOUT)
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), self.REPLAY_TIMEOUT)
+                if len(frames) != 4:
+                    continue
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq < 0:  # the end of the replay
+                    break
+                if seq < start or (stop is not None and seq >= stop) or not frames[1].startswith(topic) \
+                        or (last is not None and seq <= last):
+                    continue
+                self.event_batches += 1
+                self.event_batches_replayed += 1
+                applied, last = applied + 1, seq
+                self._publish_batch(frames[3], decoder)
+                if applied % 64 == 0:
+                    await asyncio.sleep(0)  # a long replay must not hold the loop
+        except TimeoutError:
+            log.warning("prefixgate: no replay of KV event batches from %s (from %d) within %.1f s",
+                        endpoint, start, self.REPLAY_TIMEOUT)
+        finally:
+            sock.close(linger=0)
+        return applied, last
 
     # -- what the gateway reads ---------------------------------------------------------------
 
