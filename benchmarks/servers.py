@@ -73,12 +73,15 @@ class VllmServers:
             the model directory's name by default, so that block keys, which the model name
             namespaces, do not depend on where the checkout lives.
         kv_events: Each server publishes its KV cache events over ZMQ (``--kv-events-config``)
-            on a port of its own, listed in :attr:`event_endpoints`.
+            on a port of its own, listed in :attr:`event_endpoints`, and answers replay requests
+            on another, listed in :attr:`replay_endpoints`.
 
     Attributes:
         urls: Each server's base URL, in order.
         event_endpoints: Where each server publishes its KV cache events (``kv_events``), in
             order, for :meth:`RemoteVllm.connect`'s ``kv_events``.
+        replay_endpoints: Where each server replays its recent event batches, in order, for
+            :meth:`RemoteVllm.connect`'s ``kv_events_replay``.
         logs: Each server's log file.
     """
 
@@ -89,6 +92,7 @@ class VllmServers:
         self.n = n
         self.kv_events = kv_events
         self.event_endpoints: list[str] = []
+        self.replay_endpoints: list[str] = []
         self.model = str(model)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -103,9 +107,9 @@ class VllmServers:
         self._envs: list[dict[str, str]] = []
         self._dir = tempfile.mkdtemp(prefix="prefixgate-servers-")
 
-    def command(self, port: int, events_port: int | None = None) -> list[str]:
+    def command(self, port: int, events_port: int | None = None, replay_port: int | None = None) -> list[str]:
         """The command line of the server on ``port`` (publishing its KV cache events on
-        ``events_port``, if given)."""
+        ``events_port``, if given, and replaying them on ``replay_port``)."""
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--served-model-name", self.served_model_name,
                "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
@@ -116,8 +120,10 @@ class VllmServers:
         if self.cpu:
             cmd += ["--enforce-eager", "--worker-extension-cls", "prefixgate.vllm_amx.AmxPermission"]
         if events_port is not None:
-            cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                      "endpoint": f"tcp://*:{events_port}"})]
+            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
+            if replay_port is not None:
+                config["replay_endpoint"] = f"tcp://127.0.0.1:{replay_port}"
+            cmd += ["--kv-events-config", json.dumps(config)]
         return cmd + self.extra_args
 
     def start(self) -> VllmServers:
@@ -141,11 +147,13 @@ class VllmServers:
                 log = Path(self._dir) / f"server-{i}.log"
                 with open(log, "wb") as out:
                     events_port = free_port() if self.kv_events else None
+                    replay_port = free_port() if self.kv_events else None
                     if events_port is not None:
                         self.event_endpoints.append(f"tcp://127.0.0.1:{events_port}")
-                    self._procs.append(subprocess.Popen(self.command(port, events_port), stdout=out,
-                                                        stderr=subprocess.STDOUT, env=env,
-                                                        start_new_session=True, preexec_fn=_die_with_parent))
+                        self.replay_endpoints.append(f"tcp://127.0.0.1:{replay_port}")
+                    self._procs.append(subprocess.Popen(
+                        self.command(port, events_port, replay_port), stdout=out, stderr=subprocess.STDOUT,
+                        env=env, start_new_session=True, preexec_fn=_die_with_parent))
                 self.urls.append(f"http://127.0.0.1:{port}")
                 self.logs.append(log)
                 if self.sequential:
@@ -183,7 +191,8 @@ class VllmServers:
         port = int(self.urls[i].rsplit(":", 1)[1])
         with open(self.logs[i], "ab") as out:
             events_port = int(self.event_endpoints[i].rsplit(":", 1)[1]) if self.kv_events else None
-            self._procs[i] = subprocess.Popen(self.command(port, events_port), stdout=out,
+            replay_port = int(self.replay_endpoints[i].rsplit(":", 1)[1]) if self.kv_events else None
+            self._procs[i] = subprocess.Popen(self.command(port, events_port, replay_port), stdout=out,
                                               stderr=subprocess.STDOUT, env=self._envs[i],
                                               start_new_session=True, preexec_fn=_die_with_parent)
         self._wait(i, self.urls[i], time.monotonic() + self.start_timeout)

@@ -148,6 +148,44 @@ async def test_a_gateway_follows_what_another_gateways_requests_cached_through_t
             await e.close()
 
 
+async def test_a_gateway_started_after_a_prefix_was_cached_learns_it_from_the_servers_replay(servers):
+    # Gateway a (not following events) puts a system prompt on server 1 and closes. Gateway b
+    # connects only afterwards, with the servers' replay endpoints: the servers are idle, so no
+    # live event tells it anything; what they buffered does. It sends the next question on that
+    # prompt to server 1 and predicts the hit the server reports.
+    rng = random.Random(12)
+    system = prose(rng, 60)
+    theirs = [await RemoteVllm.connect(url, max_num_seqs=4, metrics_interval=0.1) for url in servers.urls]
+    try:
+        for e in theirs:
+            (await e._client.post("/reset_prefix_cache")).raise_for_status()
+        async with Gateway(theirs, GatewayConfig(placement=Fixed(1))) as a:
+            await drain(a.generate(f"{system}\nFirst question?", params()))
+    finally:
+        for e in theirs:
+            await e.close()
+    ours = [await RemoteVllm.connect(url, max_num_seqs=4, metrics_interval=0.1, kv_events=ep,
+                                     kv_events_replay=rp)
+            for url, ep, rp in zip(servers.urls, servers.event_endpoints, servers.replay_endpoints,
+                                   strict=True)]
+    try:
+        async with Gateway(ours, GatewayConfig(placement="cost")) as b:
+            follower = b._replicas[1].cache_follower
+            assert follower is not None
+            for _ in range(100):
+                if follower.stored >= 3:
+                    break
+                await asyncio.sleep(0.1)
+            assert follower.stored >= 3, follower
+            t = b.generate(f"{system}\nSecond question?", params())
+            await drain(t)
+        assert t.predicted_hit_tokens == t.cached_tokens >= 3 * 128
+        assert ours[1].event_batches_replayed > 0 and ours[1].event_batches_missed == 0
+    finally:
+        for e in ours:
+            await e.close()
+
+
 async def test_two_servers_each_group_on_one_server_with_exact_predictions(engines):
     rng = random.Random(9)
     groups = [prose(rng, 30) for _ in range(4)]

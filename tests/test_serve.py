@@ -278,6 +278,13 @@ async def test_serve_refuses_kv_events_that_do_not_pair_with_the_replicas():
                                 "--kv-events", "tcp://a:5557"], {})
     with pytest.raises(SystemExit, match="one endpoint per --replica"):
         await serve(options, GatewayConfig(), [])
+    options, _, _ = parse_args(["--replica", "http://a:1", "--kv-events", "tcp://a:5557",
+                                "--kv-events-replay", "tcp://a:5558",
+                                "--kv-events-replay", "tcp://b:5558"], {})
+    with pytest.raises(SystemExit, match="one endpoint per --kv-events"):
+        await serve(options, GatewayConfig(), [])
+    assert parse_args([], {"PREFIXGATE_KV_EVENTS_REPLAY": "tcp://x:2,tcp://y:3"})[0]["kv_events_replay"] == [
+        "tcp://x:2", "tcp://y:3"]
 
 
 async def test_retry_after_honoured_by_the_openai_client_gets_nine_in_ten_admitted():

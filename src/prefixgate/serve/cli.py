@@ -85,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="where a --replica publishes its KV cache events (tcp://host:port, its "
                        "--kv-events-config endpoint; one per --replica, in order): every gateway's "
                        "mirror then follows what any gateway cached there")
+    serve.add_argument("--kv-events-replay", action="append", default=None, metavar="ENDPOINT",
+                       help="where a --replica replays its recent KV event batches (tcp://host:port, "
+                       "its --kv-events-config replay_endpoint; one per --replica, with --kv-events): "
+                       "the gateway then learns what the server cached before it started, and asks "
+                       "again for batches lost on the way")
     serve.add_argument("--tokenizer", default=None, help="local tokenizer for remote replicas")
     serve.add_argument("--max-num-seqs", type=int, default=None,
                        help="each remote replica's max_num_seqs (sizes its in-flight window)")
@@ -99,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _SERVE_DEFAULTS: dict[str, Any] = {"host": "127.0.0.1", "port": 8000, "replica": [], "kv_events": [],
+                                   "kv_events_replay": [],
                                    "tokenizer": None,
                                    "max_num_seqs": None, "served_model_name": None,
                                    "tenant_header": "x-prefixgate-tenant", "min_retry_after": 0.1,
@@ -124,7 +130,7 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None
         value = values[key]
         if value is None and (_ENV + key.upper()) in env:
             text = env[_ENV + key.upper()]
-            value = ([u for u in text.split(",") if u] if key in ("replica", "kv_events")
+            value = ([u for u in text.split(",") if u] if key in ("replica", "kv_events", "kv_events_replay")
                      else type(default)(text) if isinstance(default, int | float) else text)
         options[key] = default if value is None else value
     fields = {}
@@ -170,9 +176,11 @@ async def _engines(options: Mapping[str, Any], engine_args: Sequence[str]) -> tu
         from ..remote import RemoteVllm
 
         events = options["kv_events"] or [None] * len(options["replica"])
+        replays = options["kv_events_replay"] or [None] * len(options["replica"])
         remotes = [await RemoteVllm.connect(url, tokenizer=options["tokenizer"],
-                                            max_num_seqs=options["max_num_seqs"], kv_events=endpoint)
-                   for url, endpoint in zip(options["replica"], events, strict=True)]
+                                            max_num_seqs=options["max_num_seqs"], kv_events=endpoint,
+                                            kv_events_replay=replay)
+                   for url, endpoint, replay in zip(options["replica"], events, replays, strict=True)]
 
         async def stop_remote() -> None:
             for r in remotes:
@@ -204,6 +212,9 @@ async def serve(options: Mapping[str, Any], config: GatewayConfig, engine_args: 
     if options["kv_events"] and len(options["kv_events"]) != len(options["replica"]):
         raise SystemExit(f"prefixgate serve: --kv-events needs one endpoint per --replica, in order "
                          f"(got {len(options['kv_events'])} for {len(options['replica'])})")
+    if options["kv_events_replay"] and len(options["kv_events_replay"]) != len(options["kv_events"]):
+        raise SystemExit(f"prefixgate serve: --kv-events-replay needs one endpoint per --kv-events, in "
+                         f"order (got {len(options['kv_events_replay'])} for {len(options['kv_events'])})")
     if options["replica"] and engine_args:
         raise SystemExit(f"prefixgate serve: with --replica, vLLM engine arguments do not apply: "
                          f"{list(engine_args)}")
