@@ -56,11 +56,35 @@ def test_a_follower_rekeys_stored_blocks_from_the_salts_root_and_skips_what_it_c
                     BlocksStored((7,), None, tuple(tokens[:3])),  # not a whole block
                     BlocksStored((6,), None, tuple(tokens[:4]), salt_known=False)])  # whose?
     assert mirror.match(ours["salt-t"]) == 3 and mirror.match(ours[None]) == 0
-    assert (follower.stored, follower.skipped) == (3, 4)
+    assert (follower.stored, follower.skipped, follower.pending) == (3, 3, 1)  # the unknown salt's: aside
     follower.apply([BlocksRemoved((2, 99))])
     assert mirror.match(ours["salt-t"]) == 1 and follower.removed == 2
     follower.apply([BlocksStored((5,), None, tuple(tokens[:4])), CacheCleared()])
     assert len(mirror) == 0
+
+
+def test_blocks_cached_under_a_salt_not_yet_given_are_learned_when_the_gateway_gives_it():
+    ns: dict[str, Namespace] = {}  # the salts this gateway gives
+    mirror = PrefixMirror(64)
+    follower = CacheFollower(mirror, 4, lambda salt, lora: ns[salt].root() if salt in ns else None, limit=64)
+    tokens = list(range(16))
+    follower.apply([BlocksStored((1, 2), None, tuple(tokens[:8]), "salt-t"),
+                    BlocksStored((3, 4), 2, tuple(tokens[8:]))])  # after blocks kept aside
+    follower.apply([BlocksRemoved((4,))])  # evicted while aside
+    assert len(mirror) == 0 and (follower.pending, follower.skipped) == (4, 0)
+    follower.resolve("salt-u")  # nothing kept for it
+    ns["salt-t"] = Namespace("m", tenant="t")
+    follower.resolve("salt-t")
+    ours = block_hashes(tokens, 4, ns["salt-t"])
+    assert mirror.match(ours) == 3 and (follower.pending, follower.stored, follower.removed) == (0, 4, 1)
+    follower.apply([BlocksStored((5,), None, tuple(tokens[:4]), "salt-v"), CacheCleared()])
+    ns["salt-v"] = Namespace("m", tenant="v")
+    follower.resolve("salt-v")  # cleared while aside: nothing comes back
+    assert len(mirror) == 0 and follower.pending == 0
+    small = CacheFollower(PrefixMirror(64), 4, lambda salt, lora: None, limit=2)
+    small.apply([BlocksStored((1, 2), None, tuple(tokens[:8]), "a"),
+                 BlocksStored((3,), None, tuple(tokens[:4]), "b")])
+    assert (small.pending, small.skipped) == (1, 2)  # bounded: the oldest salt's blocks go first
 
 
 async def _serve(engine: SimEngine, rid: str, tokens: list[int], salt: str | None) -> None:
@@ -131,14 +155,15 @@ class Recording:
         return i
 
 
-async def _where_b_goes(events: bool, target: int):
+async def _where_b_goes(events: bool, target: int, b_served_t: bool = True):
     clock, engines = _sims(3, events)
     system = "system prompt: " + "answer in French. " * 8
     rec = Recording()
     fixed, following = GatewayConfig(placement=Fixed(target), isolate_tenants=True), \
         GatewayConfig(placement=rec, isolate_tenants=True)
     async with Gateway(engines, fixed, clock=clock) as a, Gateway(engines, following, clock=clock) as b:
-        await _drain(b.generate("something else entirely " * 6, SP, tenant="t"))  # b gives t's salt
+        if b_served_t:
+            await _drain(b.generate("something else entirely " * 6, SP, tenant="t"))  # b gives t's salt
         await _drain(a.generate(system + "first question?", SP, tenant="t"))
         await _drain(b.generate(system + "second question?", SP, tenant="t", request_id="b-t"))
         await _drain(b.generate(system + "third question?", SP, tenant="u", request_id="b-u"))
@@ -159,6 +184,19 @@ async def test_a_gateway_sends_a_prefix_where_another_gateways_request_cached_it
             break
     assert blind["b-t"] != target and blind_stats.engine_cached_tokens == 0
     placed, stats = await _where_b_goes(True, target)
+    assert placed["b-t"] == target
+    assert stats.predicted_hit_tokens == stats.engine_cached_tokens >= 128
+
+
+async def test_a_gateway_learns_a_tenants_cached_prefix_at_that_tenants_first_request():
+    # As above, but b has never served tenant t when a caches t's prompt: the blocks are kept
+    # aside under t's salt until b's first request of t, which then goes where they are.
+    for target in range(3):
+        blind, _ = await _where_b_goes(False, target, b_served_t=False)
+        if blind["b-t"] != target:
+            break
+    assert blind["b-t"] != target
+    placed, stats = await _where_b_goes(True, target, b_served_t=False)
     assert placed["b-t"] == target
     assert stats.predicted_hit_tokens == stats.engine_cached_tokens >= 128
 

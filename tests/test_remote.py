@@ -149,18 +149,19 @@ async def test_a_gateway_follows_what_another_gateways_requests_cached_through_t
 
 
 async def test_a_gateway_started_after_a_prefix_was_cached_learns_it_from_the_servers_replay(servers):
-    # Gateway a (not following events) puts a system prompt on server 1 and closes. Gateway b
-    # connects only afterwards, with the servers' replay endpoints: the servers are idle, so no
-    # live event tells it anything; what they buffered does. It sends the next question on that
-    # prompt to server 1 and predicts the hit the server reports.
+    # Gateway a (not following events) puts tenant t's system prompt on server 1 and closes.
+    # Gateway b connects only afterwards, with the servers' replay endpoints: the servers are
+    # idle, so no live event tells it anything; what they buffered does. b has not served t, so
+    # the blocks wait under t's salt until t's first request, which b then sends to server 1,
+    # predicting the hit the server reports.
     rng = random.Random(12)
     system = prose(rng, 60)
     theirs = [await RemoteVllm.connect(url, max_num_seqs=4, metrics_interval=0.1) for url in servers.urls]
     try:
         for e in theirs:
             (await e._client.post("/reset_prefix_cache")).raise_for_status()
-        async with Gateway(theirs, GatewayConfig(placement=Fixed(1))) as a:
-            await drain(a.generate(f"{system}\nFirst question?", params()))
+        async with Gateway(theirs, GatewayConfig(placement=Fixed(1), isolate_tenants=True)) as a:
+            await drain(a.generate(f"{system}\nFirst question?", params(), tenant="t"))
     finally:
         for e in theirs:
             await e.close()
@@ -169,16 +170,17 @@ async def test_a_gateway_started_after_a_prefix_was_cached_learns_it_from_the_se
             for url, ep, rp in zip(servers.urls, servers.event_endpoints, servers.replay_endpoints,
                                    strict=True)]
     try:
-        async with Gateway(ours, GatewayConfig(placement="cost")) as b:
+        async with Gateway(ours, GatewayConfig(placement="cost", isolate_tenants=True)) as b:
             follower = b._replicas[1].cache_follower
             assert follower is not None
             for _ in range(100):
-                if follower.stored >= 3:
+                if follower.pending >= 3:
                     break
                 await asyncio.sleep(0.1)
-            assert follower.stored >= 3, follower
-            t = b.generate(f"{system}\nSecond question?", params())
+            assert follower.pending >= 3 and follower.stored == 0, follower
+            t = b.generate(f"{system}\nSecond question?", params(), tenant="t")
             await drain(t)
+            assert follower.stored >= 3 and follower.pending == 0, follower
         assert t.predicted_hit_tokens == t.cached_tokens >= 3 * 128
         assert ours[1].event_batches_replayed > 0 and ours[1].event_batches_missed == 0
     finally:

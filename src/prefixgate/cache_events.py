@@ -12,13 +12,16 @@ the salt names) and keeps the mirror in step: every gateway then sees where any 
 requests put a prefix, once it is prefilled.
 
 The engine's hashes are opaque here; the follower keeps a bounded map from them to the gateway's
-keys. A stored block whose parent it never learned, or whose salt names a tenant this gateway has
-not served, is skipped: those keys could not be matched by any request of this gateway yet.
+keys. A stored block whose parent it never learned is skipped. One whose salt names a tenant this
+gateway has not served (another gateway's tenant, or its own from before a restart) is kept
+aside, with what the engine stores after it, until the gateway gives that salt
+(:meth:`CacheFollower.resolve`): then the mirror learns what is still cached under it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -118,7 +121,8 @@ class CacheFollower:
         root_for: The gateway's namespace root for a cache salt and LoRA name, or ``None`` when
             it cannot tell (a salt it never gave).
         limit: The most engine hashes remembered; the engine's block count is enough for a
-            complete picture.
+            complete picture. Blocks kept aside for salts not yet known count apart, up to
+            the same number (past it the oldest salt's are dropped).
     """
 
     def __init__(self, mirror: PrefixMirror, block_size: int,
@@ -135,7 +139,12 @@ class CacheFollower:
         self.removed = 0
         """Blocks the events took out of the mirror."""
         self.skipped = 0
-        """Stored blocks not learned (unknown parent or salt, media, malformed)."""
+        """Stored blocks not learned (unknown parent, media, malformed, or kept aside for a
+        salt not yet known and dropped)."""
+        self.pending = 0
+        """Stored blocks kept aside for salts this gateway has not given yet."""
+        self._pending: OrderedDict[str, list[CacheEvent]] = OrderedDict()  # salt -> its events
+        self._pending_salt: dict[Hashable, str] = {}  # engine hash kept aside -> its salt
 
     def apply(self, events: Sequence[CacheEvent]) -> None:
         """Applies ``events`` in order."""
@@ -145,13 +154,61 @@ class CacheFollower:
             elif isinstance(event, BlocksRemoved):
                 keys = [k for h in event.block_hashes if (k := self._keys.pop(h, None)) is not None]
                 self.removed += self.mirror.forget(keys)
+                if self._pending_salt:
+                    self._set_aside_removed(event)
             elif isinstance(event, CacheCleared):
                 self._keys.clear()
                 self.mirror.clear()
+                self._drop_pending()
 
     def reset(self) -> None:
         """Forgets the engine's hashes (the engine restarted: its cache is empty)."""
         self._keys.clear()
+        self._drop_pending()
+
+    def resolve(self, salt: str) -> None:
+        """The gateway now gives ``salt``: the mirror learns what was kept aside for it (what the
+        engine stored under it and has not evicted since)."""
+        events = self._pending.pop(salt, None)
+        if events is None:
+            return
+        for event in events:
+            if isinstance(event, BlocksStored):
+                for h in event.block_hashes:
+                    self._pending_salt.pop(h, None)
+                self.pending -= len(event.block_hashes)
+        self.apply(events)
+
+    def _set_aside(self, salt: str, event: BlocksStored) -> None:
+        events = self._pending.get(salt)
+        if events is None:
+            events = self._pending[salt] = []
+        events.append(event)
+        for h in event.block_hashes:
+            self._pending_salt[h] = salt
+        self.pending += len(event.block_hashes)
+        while self.pending > self.limit and self._pending:
+            _, dropped = self._pending.popitem(last=False)
+            for old in dropped:
+                if isinstance(old, BlocksStored):
+                    for h in old.block_hashes:
+                        self._pending_salt.pop(h, None)
+                    self.pending -= len(old.block_hashes)
+                    self.skipped += len(old.block_hashes)
+
+    def _set_aside_removed(self, event: BlocksRemoved) -> None:
+        by_salt: dict[str, list[Hashable]] = {}
+        for h in event.block_hashes:
+            salt = self._pending_salt.get(h)
+            if salt is not None:
+                by_salt.setdefault(salt, []).append(h)
+        for salt, hashes in by_salt.items():  # replayed in order when the salt is given
+            self._pending[salt].append(BlocksRemoved(tuple(hashes)))
+
+    def _drop_pending(self) -> None:
+        self._pending.clear()
+        self._pending_salt.clear()
+        self.pending = 0
 
     def _stored(self, event: BlocksStored) -> None:
         n = len(event.block_hashes)
@@ -161,8 +218,14 @@ class CacheFollower:
         if event.parent is None:
             parent_key = None
             root = self.root_for(event.cache_salt, event.lora) if event.salt_known else None
+            if root is None and event.salt_known and event.cache_salt is not None:
+                self._set_aside(event.cache_salt, event)  # a tenant this gateway has not served
+                return
         else:
             root = parent_key = self._keys.get(event.parent)
+            if root is None and (salt := self._pending_salt.get(event.parent)) is not None:
+                self._set_aside(salt, event)  # after blocks kept aside
+                return
         if root is None:
             self.skipped += n
             return
@@ -181,4 +244,4 @@ class CacheFollower:
 
     def __repr__(self) -> str:
         return (f"CacheFollower(known={len(self._keys)}, stored={self.stored}, removed={self.removed}, "
-                f"skipped={self.skipped})")
+                f"skipped={self.skipped}, pending={self.pending})")

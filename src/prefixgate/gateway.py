@@ -116,8 +116,15 @@ class Gateway:
             self._router = self._dispatch = Router(units, policy, stats=self._stats, live=first.live)
         self._live = self._dispatch.live  # request ids of streams not yet ended
         self._replicas = [u.replica for u in self._router.units] if self._router else [self._replica]
-        for replica in self._replicas:  # engines that publish their cache events keep the mirrors true
-            replica.follow_cache_events(self._ingress.root_for)
+        # Engines that publish their cache events keep the mirrors true; what they cached under a
+        # tenant's salt before this gateway served the tenant is learned at its first request.
+        followers = [r.cache_follower for r in self._replicas
+                     if r.follow_cache_events(self._ingress.root_for) and r.cache_follower is not None]
+        if followers:
+            def resolve(salt: str) -> None:
+                for follower in followers:
+                    follower.resolve(salt)
+            self._ingress.salt_listeners.append(resolve)
         # What every stream is handed: bound once here, not once per request.
         self._serve, self._forget = self._dispatch.serve, self._dispatch.forget
         self._pool: IngressPool | None = self._make_pool()

@@ -272,6 +272,9 @@ class Ingress:
         self._roots: dict[tuple[str, str | None, str | None], tuple[Namespace, BlockHash]] = {}
         self._salts: dict[str, str] = {}
         self._salted: dict[str, str] = {}  # salt -> tenant, of the salts in _salts
+        self.salt_listeners: list[Callable[[str], None]] = []
+        """Called with each cache salt as this ingress starts giving it (a tenant's first request
+        lately), on the loop: cache followers learn what they kept aside for it."""
         self._interned: OrderedDict[BlockHash, tuple[BlockHash, ...]] = OrderedDict()
         self.chat = ChatTemplate(engine.tokenizer)
 
@@ -377,6 +380,8 @@ class Ingress:
                 self._salted.clear()
             self._salts[tenant] = salt
             self._salted[salt] = tenant
+            for listener in self.salt_listeners:
+                listener(salt)
         return salt
 
     def root_for(self, cache_salt: str | None, lora: str | None) -> BlockHash | None:
