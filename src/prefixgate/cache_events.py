@@ -169,15 +169,18 @@ class CacheFollower:
     def resolve(self, salt: str) -> None:
         """The gateway now gives ``salt``: the mirror learns what was kept aside for it (what the
         engine stored under it and has not evicted since)."""
-        events = self._pending.pop(salt, None)
-        if events is None:
-            return
+        if salt in self._pending:
+            self.apply(self._take(salt))
+
+    def _take(self, salt: str | None) -> list[CacheEvent]:
+        """Takes a salt's events (the oldest salt's with ``None``) out of those kept aside."""
+        events = self._pending.pop(salt) if salt is not None else self._pending.popitem(last=False)[1]
         for event in events:
             if isinstance(event, BlocksStored):
                 for h in event.block_hashes:
                     self._pending_salt.pop(h, None)
                 self.pending -= len(event.block_hashes)
-        self.apply(events)
+        return events
 
     def _set_aside(self, salt: str, event: BlocksStored) -> None:
         events = self._pending.get(salt)
@@ -188,13 +191,9 @@ class CacheFollower:
             self._pending_salt[h] = salt
         self.pending += len(event.block_hashes)
         while self.pending > self.limit and self._pending:
-            _, dropped = self._pending.popitem(last=False)
-            for old in dropped:
-                if isinstance(old, BlocksStored):
-                    for h in old.block_hashes:
-                        self._pending_salt.pop(h, None)
-                    self.pending -= len(old.block_hashes)
-                    self.skipped += len(old.block_hashes)
+            before = self.pending
+            self._take(None)
+            self.skipped += before - self.pending
 
     def _set_aside_removed(self, event: BlocksRemoved) -> None:
         by_salt: dict[str, list[Hashable]] = {}
