@@ -55,6 +55,14 @@ def params(max_tokens: int = 4) -> dict:
     return {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
+async def until(condition, seconds: float = 10.0) -> None:
+    """Waits until ``condition()`` holds, or ``seconds`` have passed (the caller asserts)."""
+    for _ in range(int(seconds / 0.1)):
+        if condition():
+            return
+        await asyncio.sleep(0.1)
+
+
 async def drain(stream) -> None:
     async for _ in stream:
         pass
@@ -129,10 +137,7 @@ async def test_a_gateway_follows_what_another_gateways_requests_cached_through_t
             await drain(a.generate(f"{system}\nFirst question?", params(), tenant="t"))
             follower = b._replicas[1].cache_follower
             assert follower is not None
-            for _ in range(100):  # the events cross a socket: wait until b has them (<= 10 s)
-                if follower.stored >= 3:
-                    break
-                await asyncio.sleep(0.1)
+            await until(lambda: follower.stored >= 3)  # the events cross a socket
             assert follower.stored >= 3 and follower.skipped == 0, follower
             t = b.generate(f"{system}\nSecond question?", params(), tenant="t")
             await drain(t)
@@ -173,10 +178,7 @@ async def test_a_gateway_started_after_a_prefix_was_cached_learns_it_from_the_se
         async with Gateway(ours, GatewayConfig(placement="cost", isolate_tenants=True)) as b:
             follower = b._replicas[1].cache_follower
             assert follower is not None
-            for _ in range(100):
-                if follower.pending >= 3:
-                    break
-                await asyncio.sleep(0.1)
+            await until(lambda: follower.pending >= 3)
             assert follower.pending >= 3 and follower.stored == 0, follower
             t = b.generate(f"{system}\nSecond question?", params(), tenant="t")
             await drain(t)
