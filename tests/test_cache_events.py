@@ -323,18 +323,13 @@ async def test_a_remote_engine_replays_from_vllms_publisher_what_it_missed_befor
     import zmq
     import zmq.asyncio
 
+    from benchmarks.servers import free_port  # an OS socket, closed at once (ZMQ closes later)
     from prefixgate import RemoteVllm
     from prefixgate.testing import ByteTokenizer
 
     class Client:
         async def aclose(self) -> None:
             pass
-
-    def free_port() -> int:
-        probe = zmq.Context.instance().socket(zmq.REP)
-        port = probe.bind_to_random_port("tcp://127.0.0.1")
-        probe.close(linger=0)
-        return port
 
     def batch(n: int) -> object:
         return kv.KVEventBatch(ts=0.0, events=[kv.BlockStored(
@@ -344,9 +339,15 @@ async def test_a_remote_engine_replays_from_vllms_publisher_what_it_missed_befor
     def stored(n: int) -> BlocksStored:
         return BlocksStored((n + 1,), None, (n + 1,) * 4)
 
-    pub_port, replay_port = free_port(), free_port()
-    publisher = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{pub_port}",
-                                     replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic="kv")
+    for attempt in range(3):  # a free port may be taken before the publisher binds it
+        pub_port, replay_port = free_port(), free_port()
+        try:
+            publisher = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{pub_port}",
+                                             replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic="kv")
+            break
+        except zmq.ZMQError:
+            if attempt == 2:
+                raise
     ctx = zmq.asyncio.Context.instance()
     relay_in, relay_out = ctx.socket(zmq.SUB), ctx.socket(zmq.PUB)
     relay_in.connect(f"tcp://127.0.0.1:{pub_port}")
