@@ -89,6 +89,9 @@ class _Recorder:
         self.placed[ticket.request_id] = i
         return i
 
+    def __getattr__(self, name: str) -> Any:  # the policy's own options (``defer``) pass through
+        return getattr(self.inner, name)
+
 
 def _trace(groups: int, popularity: str, prefix_tokens: int, seed: int, tokenizer: Any) -> Any:
     from .workloads import make_trace

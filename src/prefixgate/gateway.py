@@ -363,7 +363,8 @@ class Gateway:
                 aged_dispatches=self._scheduler.aged_dispatches, blocked=self._scheduler.blocked)
         replicas = router.replica_statistics()
         return self._stats.snapshot(
-            queued=sum(r.queued for r in replicas), running=sum(r.running for r in replicas), kv=None,
+            queued=sum(r.queued for r in replicas) + router.waiting_to_place,
+            running=sum(r.running for r in replicas), kv=None,
             reserved_blocks=sum(r.reserved_blocks for r in replicas), median_wait=router.median_wait(),
             aged_dispatches=sum(u.scheduler.aged_dispatches for u in router.units),
             blocked=next((u.scheduler.blocked for u in router.units if u.scheduler.blocked), None),

@@ -26,12 +26,20 @@ Built-in policies, by name (``GatewayConfig.placement``):
   replica and then each follows it there by its hits. A request leaves the replicas holding its
   prefix more readily the more popular the prefix is lately (``spread_share``): the popular
   prefixes spread and even the loads, the rest stay whole. While no prefix is popular, new
-  prefixes start evenly over the replicas instead (``cold_epsilon``: past a replica that
-  already started its share), and a rare prefix leaves its replica only past a wide gap
-  (``rare_floor``). On the simulated W5 it kept more hits than ``consistent_hash`` with more
-  even loads (``benchmarks.routing``).
+  prefixes start evenly over the replicas instead (``cold_epsilon``), as a function of the set
+  of prefixes started lately, not of their order: while every replica has requests waiting, a
+  new prefix's requests wait to be placed until the burst they came in has arrived
+  (``defer_share``), so independent gateways that saw the same burst start each prefix in the
+  same place (simulated W5, even popularity, two gateways: 97-100% of the groups on one
+  replica at 2-16 replicas, against 81-94% before). On the simulated W5 it kept more hits than
+  ``consistent_hash`` with more even loads (``benchmarks.routing``).
 
 A policy is any object with ``place(ticket, replicas) -> index`` (:class:`PlacementPolicy`).
+One may also hold requests back before they are placed: ``defer(ticket, replicas, saturated)
+-> bool``, asked of every request as it arrives (``saturated``: every live replica has requests
+waiting in its queue). The router then places the held requests together once none has joined
+them for ``defer_quiet`` seconds (10 ms), a replica's queue empties, ``defer_seconds`` (1 s)
+pass since the first, or the gateway closes (attributes of the policy, with those defaults).
 """
 
 from __future__ import annotations
@@ -309,36 +317,56 @@ class CostPlacement:
             down to ``rare_floor``.
         rare_floor: How much of its rarity a rare prefix's hit is weighed by even with no
             popular prefix in the window: at least ``1 + rare_floor * (r - 1)`` for a prefix
-            ``r`` times rarer than a popular one (0: as before this option, every prefix's hit
-            as it is). A request that leaves its prefix's replica recomputes the whole prefix
-            elsewhere to save some queueing, and two independent gateways, each seeing only its
-            own load, leave at different times: such a split is what kept groups apart between
-            them. With even popularity the loads are evened instead as the prefixes start
-            (``cold_epsilon``).
+            ``r`` times rarer than a popular one (0: every prefix's hit as it is; 1, the
+            default: fully, so a rare prefix stays whole). A request that leaves its prefix's
+            replica recomputes the whole prefix elsewhere to save some queueing, and two
+            independent gateways, each seeing only its own load, leave at different times: such
+            a split is what kept groups apart between them. With even popularity the loads are
+            evened instead as the prefixes start (``cold_epsilon``). (Until the twentieth
+            session 0.25, while new prefixes were evened one at a time; at 1 with that, the
+            simulated W5 at 16 replicas read imbalance 1.24-1.41.)
         cold_epsilon: While popular prefixes make up less than ``fluid_share`` of the window
-            (so they cannot even the loads), a cold prefix goes to the first live replica on the
-            ring from its key that is home to fewer than ``ceil((1 + cold_epsilon) * (p + 1) /
-            n) + cold_margin`` of the ``p`` prefixes this gateway started (sent while cold)
-            among those in the window, once ``p`` is at least ``cold_after`` per live
-            replica; before that, and with ``None``, to its replica on the ring. The ring alone
-            gives some replicas more prefixes than others (64 prefixes on 4 replicas: 18 against
-            14 in the tests), which only splitting them evened later. Needs ``spread_share``.
-        cold_margin: Prefixes a replica may be home to above that bound: the two gateways' counts
-            differ by a few, and a tight bound puts the same prefix in different places.
+            (so they cannot even the loads), new prefixes start evenly: a cold prefix goes where
+            the set of the prefixes started lately (the last ``window`` per live replica, the
+            held-back ones included) puts it. Each replica is home to at most ``ceil((1 +
+            cold_epsilon) * p / n) + cold_margin`` of those ``p`` prefixes; one already started
+            stays where it started (and, while no prefix is popular, counts there); a new one
+            goes to its first live replica on the ring, unless that one is full, when the new
+            prefixes ranked highest there (by a hash of their key) move on along the ring to the
+            first replica with room. That depends on the set, not on the order the prefixes came
+            in, so two gateways that saw the same prefixes agree (see ``defer_share``). Applies
+            once ``p`` is at least ``cold_after`` per live replica; before that, and with
+            ``None``, a new prefix goes to its replica on the ring. Needs ``spread_share``. The
+            ring alone gives some replicas more prefixes than others (64 prefixes on 4
+            replicas: 18 against 14 in the tests).
+        cold_margin: Prefixes a replica may be home to above that bound.
         cold_after: Prefixes per live replica in the window before ``cold_epsilon`` applies
             (fewer: the counts are too few to tell an uneven ring from chance).
+        defer_share: Which new prefixes' requests wait to be placed (:meth:`defer`), while
+            new prefixes start evenly (``cold_epsilon``): all of them while every replica has
+            requests waiting (a request placed then would wait anyway), else only the
+            ``defer_share`` ranked highest (those that move when the replicas' shares are
+            uneven; the rest stay on their replica on the ring whatever comes). The router
+            places them together once the burst has arrived (no request held back for 10 ms),
+            a replica's queue empties, or after 1 s. ``None``: every request is placed as it
+            comes. Two gateways each given every other request of a burst then start each
+            prefix on the same replica: on the simulated W5 with even popularity, 97-100% of
+            the groups had >= 95% of their requests on one replica at 2-16 replicas (81-94%
+            without), and one gateway's loads were more even (imbalance 1.01 against 1.08-1.22).
 
     Raises:
         ValueError: If ``weight``, ``request_share`` or ``request_tokens`` < 0, ``spread_share``
             or ``fluid_share`` <= 0, ``window`` < 1, ``rare_floor`` outside [0, 1],
-            ``cold_epsilon``, ``cold_margin`` or ``cold_after`` < 0, or ``route_prefix_tokens`` < 1.
+            ``cold_epsilon``, ``cold_margin`` or ``cold_after`` < 0, ``defer_share`` outside
+            [0, 1], or ``route_prefix_tokens`` < 1.
     """
 
     def __init__(self, *, weight: float = 0.1, route_prefix_tokens: int = 256,
                  epsilon: float | None = None, margin: int = 1, request_share: float = 0.5,
                  request_tokens: int | None = None, spread_share: float | None = 0.5,
-                 window: int = 32, fluid_share: float = 0.25, rare_floor: float = 0.25,
-                 cold_epsilon: float | None = 0.1, cold_margin: int = 1, cold_after: int = 8) -> None:
+                 window: int = 32, fluid_share: float = 0.25, rare_floor: float = 1.0,
+                 cold_epsilon: float | None = 0.0, cold_margin: int = 0, cold_after: int = 8,
+                 defer_share: float | None = 0.25) -> None:
         if not (weight >= 0 and request_share >= 0) or (request_tokens is not None and request_tokens < 0):
             raise ValueError(f"CostPlacement needs weight, request_share and request_tokens >= 0, got "
                              f"{weight}, {request_share}, {request_tokens}")
@@ -346,10 +374,11 @@ class CostPlacement:
             raise ValueError(f"CostPlacement needs spread_share > 0 (or None), window >= 1 and "
                              f"fluid_share > 0, got {spread_share}, {window}, {fluid_share}")
         if not 0 <= rare_floor <= 1 or (cold_epsilon is not None and not cold_epsilon >= 0) \
-                or cold_margin < 0 or cold_after < 0:
-            raise ValueError(f"CostPlacement needs 0 <= rare_floor <= 1 and cold_epsilon (or None), "
-                             f"cold_margin and cold_after >= 0, got {rare_floor}, {cold_epsilon}, "
-                             f"{cold_margin}, {cold_after}")
+                or cold_margin < 0 or cold_after < 0 \
+                or (defer_share is not None and not 0 <= defer_share <= 1):
+            raise ValueError(f"CostPlacement needs 0 <= rare_floor <= 1, cold_epsilon (or None), "
+                             f"cold_margin and cold_after >= 0 and 0 <= defer_share <= 1 (or None), got "
+                             f"{rare_floor}, {cold_epsilon}, {cold_margin}, {cold_after}, {defer_share}")
         self.weight = weight
         self.request_share = request_share
         self.request_tokens = request_tokens
@@ -366,14 +395,27 @@ class CostPlacement:
         self._recent: collections.deque[int] = collections.deque()
         self._counts: collections.Counter[int] = collections.Counter()
         self._popular = 0  # requests in the window whose prefix is popular (count >= threshold)
-        self._home: dict[int, int] = {}  # prefix started cold, in the window -> where it started
-        self._homes: collections.Counter[int] = collections.Counter()  # replica -> prefixes started there
+        self.defer_share = defer_share
+        # The prefixes started cold lately (at most ``window`` per live replica, oldest first).
+        self._started: collections.OrderedDict[int, _Start] = collections.OrderedDict()
+        self._assignment: dict[int, int] | None = None  # _balanced()'s, until _started changes
+        self._assignment_pin = True
+        self._pooled: set[int] = set()  # prefixes whose requests wait to start (see defer)
+        # Requests recorded in the window as they arrived (see defer), until placed; bounded (one
+        # cancelled before its placement is never placed).
+        self._counted: collections.OrderedDict[Ticket, None] = collections.OrderedDict()
 
     def _spread(self, key: int, live: int) -> float:
         """Records a request's prefix ``key`` in the popularity window; returns the factor its
         hits are weighed by against leaving (see ``spread_share``)."""
         if self.spread_share is None:
             return 1.0
+        self._record(key, live)
+        return self._factor(key)
+
+    def _record(self, key: int, live: int) -> None:
+        """Records a request's prefix ``key`` in the popularity window."""
+        assert self.spread_share is not None
         recent, counts, size = self._recent, self._counts, self.window * live
         # A prefix is popular at spread_share of a replica's fair share of the window, that is
         # at this count (whatever the number of replicas); when it becomes so, all its
@@ -390,16 +432,18 @@ class CostPlacement:
                 self._popular -= count if count - 1 < threshold else 1
             if count == 1:
                 del counts[old]
-                home = self._home.pop(old, None)
-                if home is not None:
-                    self._homes[home] -= 1
             else:
                 counts[old] = count - 1
+
+    def _factor(self, key: int) -> float:
+        """The factor a request of prefix ``key`` (recorded) weighs its hits by against leaving."""
+        assert self.spread_share is not None
+        threshold = self.spread_share * self.window
         # Over the whole window from the start: early in a burst, a prefix seen twice in the
         # first few requests is not yet popular.
-        factor = threshold / counts[key]
+        factor = threshold / max(1, self._counts[key])
         if factor > 1.0:  # a rare prefix: held whole as far as popular ones can even the loads
-            held = min(1.0, self._popular / (self.fluid_share * len(recent)))
+            held = min(1.0, self._popular / (self.fluid_share * len(self._recent)))
             factor = 1.0 + (factor - 1.0) * max(self.rare_floor, held)
         return factor
 
@@ -407,7 +451,10 @@ class CostPlacement:
         prompt = ticket.num_prompt_tokens
         per_request = self.request_share * prompt if self.request_tokens is None else self.request_tokens
         key = self.ring.key(ticket, replicas)
-        spread = self._spread(key, sum(r.alive for r in replicas))
+        if self._counted.pop(ticket, False) is None:  # recorded in the window as it arrived
+            spread = self._factor(key)
+        else:
+            spread = self._spread(key, sum(r.alive for r in replicas))
         best, best_score, first, warm_hit = -1, math.inf, -1, 0
         cold, cold_score = -1, math.inf
         bound = self.ring.bound(replicas) if self.epsilon is not None else None
@@ -427,35 +474,145 @@ class CostPlacement:
             elif score < cold_score:
                 cold, cold_score = i, score
         if not warm_hit:
-            choice = self._cold(replicas, order, first, bound)
-            if self.spread_share is not None and key not in self._home:
-                self._home[key] = choice
-                self._homes[choice] += 1
-            return choice
+            return self._cold(key, replicas, order, first, bound)
         # Leave the replicas holding the prefix for one without it only past the gap scaled
         # by the prefix's popularity (see ``spread_share``).
         if cold >= 0 and cold_score + (spread - 1.0) * warm_hit < best_score:
             return cold
         return best
 
-    def _cold(self, replicas: Sequence[ReplicaState], order: Sequence[int], first: int,
+    def _balancing(self) -> bool:
+        """Whether new prefixes start evenly (``cold_epsilon``): not while popular prefixes make
+        up ``fluid_share`` of the window (they even the loads themselves)."""
+        return self.cold_epsilon is not None and self.spread_share is not None \
+            and self._popular < self.fluid_share * len(self._recent)
+
+    def _note(self, key: int, replicas: Sequence[ReplicaState], order: Sequence[int] | None = None) -> _Start:
+        """``key``'s entry among the prefixes started lately (made, and the oldest dropped past
+        ``window`` per live replica, if new)."""
+        entry = self._started.get(key)
+        if entry is None:
+            if order is None:
+                order = self.ring.order(None, replicas, key)  # type: ignore[arg-type]
+            rank = _digest(key.to_bytes(8, "little"), 0x5EED) / 2.0 ** 64
+            entry = self._started[key] = _Start(tuple(order), rank)
+            limit = self.window * max(1, sum(r.alive for r in replicas))
+            while len(self._started) > limit:
+                old, _ = self._started.popitem(last=False)
+                self._pooled.discard(old)
+            self._assignment = None
+        return entry
+
+    def _balanced(self, replicas: Sequence[ReplicaState]) -> dict[int, int]:
+        """Where each prefix started lately belongs, as a function of that set alone (so
+        independent gateways that saw the same prefixes agree, whatever the order they came
+        in): its first live replica on the ring, unless that one is home to more than
+        ``ceil((1 + cold_epsilon) * p / n) + cold_margin`` of the ``p`` prefixes; then the
+        prefixes ranked highest (by a hash of their key) move on along the ring to the first
+        replica under that bound. While no prefix is popular, those already started count
+        where they started instead."""
+        # Those already started count where they started, so that prefixes started one at a
+        # time even out too; not while a prefix is popular (the two gateways may then disagree
+        # on whether new prefixes start evenly at all, and the ring's set alone keeps the rest
+        # where both put them).
+        pin = not self._popular
+        if self._assignment is not None and self._assignment_pin == pin:
+            return self._assignment
+        self._assignment_pin = pin
+        live = {r.index for r in replicas if r.alive}
+        homes: dict[int, list[tuple[float, int]]] = collections.defaultdict(list)
+        assignment: dict[int, int] = {}
+        pinned: collections.Counter[int] = collections.Counter()
+        for key, start in self._started.items():
+            if pin and start.home in live:
+                assignment[key] = start.home
+                pinned[start.home] += 1
+                continue
+            h = assignment[key] = next(i for i in start.order if i in live)
+            homes[h].append((start.rank, key))
+        if len(self._started) >= self.cold_after * len(live) and self.cold_epsilon is not None:
+            quota = math.ceil((1 + self.cold_epsilon) * len(self._started) / len(live)) + self.cold_margin
+            room = {i: max(0, quota - pinned[i]) for i in live}
+            over = []
+            for h, ks in homes.items():
+                ks.sort()
+                over += ks[room[h]:]
+                room[h] -= min(room[h], len(ks))
+            for _, key in sorted(over):
+                for i in self._started[key].order:
+                    if i in live and room[i] > 0:
+                        assignment[key] = i
+                        room[i] -= 1
+                        break
+        self._assignment = assignment
+        return assignment
+
+    def _cold(self, key: int, replicas: Sequence[ReplicaState], order: Sequence[int], first: int,
               bound: int | None) -> int:
         """Where a prefix no replica holds goes (``order``: the replicas in ring order from its
-        key): its replica on the ring, or past it the first one home to fewer than its share of
-        the window's prefixes (see ``cold_epsilon``)."""
-        if self.cold_epsilon is None or self.spread_share is None \
-                or self._popular >= self.fluid_share * len(self._recent):
+        key): where this gateway started it lately, else its place among the prefixes started
+        lately (see ``cold_epsilon``), else its replica on the ring."""
+        if self.spread_share is None:
             return first
-        live = [r.index for r in replicas if r.alive]
-        homed = sum(self._homes[i] for i in live)
-        if homed < self.cold_after * len(live):
-            return first
-        limit = math.ceil((1 + self.cold_epsilon) * (homed + 1) / len(live)) + self.cold_margin
-        for i in order:
-            r = replicas[i]
-            if r.alive and (bound is None or r.load < bound) and self._homes[i] < limit:
-                return i
-        return first
+        entry = self._note(key, replicas, order)
+        self._pooled.discard(key)
+        home = entry.home
+        if home >= 0 and replicas[home].alive and (bound is None or replicas[home].load < bound):
+            return home
+        choice = first
+        if self._balancing():
+            i: int = self._balanced(replicas).get(key, first)
+            if replicas[i].alive and (bound is None or replicas[i].load < bound):
+                choice = i
+        entry.home = choice
+        self._assignment = None
+        return choice
+
+    def defer(self, ticket: Ticket, replicas: Sequence[ReplicaState], saturated: bool = True) -> bool:
+        """Whether ``ticket`` should wait before it is placed (the router asks of every request
+        as it arrives; ``saturated``: every live replica has requests waiting in its queue, so
+        it would wait anyway). While new prefixes start evenly (``cold_epsilon``): a request of
+        a prefix no replica holds or will hold and this gateway has not started lately, all of
+        them while ``saturated``, else those ranked in the top ``defer_share``; and a request
+        of a prefix whose requests already wait. Counts the request in the popularity window
+        (:meth:`place` then does not again), so a prefix turning popular in a burst turns this
+        off. Independent gateways that place new prefixes only once the burst they came in has
+        arrived put each in the same place (:meth:`_balanced` over the same set)."""
+        if self.defer_share is None or self.spread_share is None:
+            return False
+        key = self.ring.key(ticket, replicas)
+        # Counted in the popularity window as it arrives (not once placed), so that a prefix
+        # turning popular in a burst turns deferring off (the popular prefixes even the loads).
+        self._record(key, sum(r.alive for r in replicas))
+        self._counted[ticket] = None
+        if len(self._counted) > 64 * self.window:
+            self._counted.popitem(last=False)
+        if not self._balancing():
+            return False
+        if key in self._pooled:
+            return True
+        entry = self._started.get(key)
+        if entry is not None and entry.home >= 0:
+            return False
+        if any(r.alive and r.expected_hit_tokens(ticket) for r in replicas):
+            return False
+        entry = self._note(key, replicas)
+        if not saturated and entry.rank < 1.0 - self.defer_share:
+            return False
+        self._pooled.add(key)
+        return True
+
+
+class _Start:
+    """A prefix started cold lately: its replicas in ring order, its rank (a hash of its key in
+    [0, 1): the highest move first when homes are uneven) and where it started (-1: not yet)."""
+
+    __slots__ = ("home", "order", "rank")
+
+    def __init__(self, order: tuple[int, ...], rank: float) -> None:
+        self.order = order
+        self.rank = rank
+        self.home = -1
 
 
 PLACEMENTS: dict[str, Callable[..., PlacementPolicy]] = {

@@ -407,6 +407,13 @@ class Scheduler:
             arrivals.popleft()
         return arrivals[0]
 
+    def rewind(self) -> None:
+        """Starts the circular walk again from the smallest key (for every tenant). A router
+        calls it when requests held back to be placed together join the queues, so that
+        independent gateways holding the same groups walk them in the same order."""
+        for state in self.tenants.values():
+            state.last_key = None
+
     def median_wait(self) -> float | None:
         """Median queue wait of recently dispatched tickets that waited (at least
         ``min_aging_wait``), or ``None`` before any did."""

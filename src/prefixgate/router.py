@@ -8,6 +8,14 @@ places a prepared request with the configured policy (:mod:`prefixgate.placement
 that replica's dispatcher admits, queues, dispatches and streams it. The units share the
 gateway's statistics, admission policy, tenant rate limits and request ids.
 
+Deferred placement: a policy with a ``defer(ticket, replicas, saturated)`` method (the default
+``cost`` has one) may hold a request back before it is placed. Held requests wait in the
+router, counted in the gateway's ``queued``, and are let go together (each then placed in arrival
+order) once none has joined them for the policy's ``defer_quiet`` seconds (10 ms), a live
+replica's queue empties, ``defer_seconds`` (1 s) pass since the first, or the gateway closes;
+every replica's circular walk then starts again from its smallest key. A request cancelled
+while held leaves nothing behind; one let go by the close meets the close like any queued one.
+
 Failover: a dead replica is skipped by placement from then on. A request it had given no output
 yet when it died (waiting in its queue, or in the engine before its first token) is placed again
 on a live one, its arrival kept so aging still sees how long it waited; a request already
@@ -35,6 +43,9 @@ from .tickets import Ticket
 __all__ = ["Router", "Unit"]
 
 log = logging.getLogger(__name__)
+
+_POOL_LIMIT = 4096
+"""Requests held back to be placed at most at once; past it, requests are placed as they come."""
 
 
 @dataclass(slots=True)
@@ -75,6 +86,16 @@ class Router:
         self.stats = stats
         self.live = live
         self._placed: dict[Ticket, tuple[Unit, int]] = {}  # ticket -> (its unit, its pending tokens)
+        # Requests waiting to be placed (the policy's ``defer``), in arrival order, each with the
+        # future that lets it go on: while every replica has requests waiting, and at most
+        # ``defer_seconds`` (the policy's; 1 s if it has none).
+        self._pool: dict[Ticket, asyncio.Future[None]] = {}
+        self._pool_timer: asyncio.TimerHandle | asyncio.Task[None] | None = None
+        self._defer = getattr(policy, "defer", None)
+        self.defer_seconds = float(getattr(policy, "defer_seconds", 1.0))
+        self.defer_quiet = float(getattr(policy, "defer_quiet", 0.01))
+        self._pool_since = 0.0
+        self._pool_last = 0.0
         for unit in self.units:
             unit.dispatcher.on_release = self._unplace
 
@@ -144,6 +165,65 @@ class Router:
             unit, pending = placed
             unit.state.load -= 1
             unit.state.pending_tokens -= pending
+        if self._pool and not self._saturated():
+            self._release_pool()
+
+    # -- deferred placement -----------------------------------------------------------------
+
+    @property
+    def waiting_to_place(self) -> int:
+        """Requests held back by the policy's ``defer``, not yet placed on a replica."""
+        return len(self._pool)
+
+    def _saturated(self) -> bool:
+        """Whether every live replica has requests waiting in its queue (a request placed now
+        would wait anyway)."""
+        return all(u.scheduler.num_waiting > 0 for u in self.units if u.state.alive)
+
+    def _release_pool(self) -> None:
+        """Lets every request waiting to be placed go on (each places itself, in arrival order)."""
+        pool, self._pool = self._pool, {}
+        if self._pool_timer is not None:
+            self._pool_timer.cancel()
+            self._pool_timer = None
+        if pool:
+            for unit in self.units:
+                unit.scheduler.rewind()
+        for future in pool.values():
+            if not future.done():
+                future.set_result(None)
+
+    async def _expire_pool(self) -> None:
+        """Lets the pool go once no request joined it for ``defer_quiet`` seconds (the burst
+        has arrived) or its first one waited ``defer_seconds``."""
+        clock = self.units[0].dispatcher.clock
+        while True:
+            now = clock.now()
+            due = min(self._pool_last + self.defer_quiet, self._pool_since + self.defer_seconds)
+            if now >= due:
+                break
+            await clock.sleep(due - now)
+        self._pool_timer = None
+        self._release_pool()
+
+    async def _wait_to_place(self, ticket: Ticket) -> None:
+        """Waits until the pool is let go (a replica's queue empties, ``defer_seconds`` pass,
+        the gateway closes)."""
+        future = asyncio.get_running_loop().create_future()
+        now = self.units[0].dispatcher.clock.now()
+        if not self._pool:
+            self._pool_since = now
+        self._pool[ticket] = future
+        self._pool_last = now
+        if self._pool_timer is None:
+            self._pool_timer = asyncio.ensure_future(self._expire_pool())
+        try:
+            await future
+        finally:
+            self._pool.pop(ticket, None)
+            if not self._pool and self._pool_timer is not None:
+                self._pool_timer.cancel()
+                self._pool_timer = None
 
     def unit_of(self, ticket: Ticket) -> Unit | None:
         """The unit ``ticket`` is placed on, while it is."""
@@ -152,6 +232,18 @@ class Router:
 
     async def _admit(self, ticket: Ticket) -> Unit:
         self.check_open()
+        if self._defer is not None:
+            saturated = self._saturated()
+            if self._pool and not saturated:
+                self._release_pool()
+            elif len(self._pool) < _POOL_LIMIT and self._defer(ticket, self.states, saturated):
+                await self._wait_to_place(ticket)
+                try:
+                    self.check_open()
+                except PrefixgateError as e:  # closed (or every replica died) while it waited
+                    self.stats.refuse(e.outcome)
+                    ticket.end(e.outcome)
+                    raise
         unit = self._choose(ticket)
         self._place(ticket, unit)
         try:
@@ -233,6 +325,7 @@ class Router:
 
     async def close(self, timeout: float | None) -> None:
         """Closes every replica's dispatcher (see :meth:`Dispatcher.close`), side by side."""
+        self._release_pool()
         await asyncio.gather(*(u.dispatcher.close(timeout) for u in self.units))
 
     # -- statistics -------------------------------------------------------------------------
