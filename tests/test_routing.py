@@ -316,6 +316,31 @@ def test_the_popularity_window_counts_popular_requests_exactly(keys, window, sha
         assert all(s.home in (0, 1) for s in policy._started.values())
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.booleans()), min_size=1, max_size=150), st.integers(2, 6))
+def test_a_new_prefix_kept_on_its_ring_replica_by_the_counts_is_where_the_full_computation_puts_it(
+        arrivals, n):
+    """``_ring_has_room`` (counts kept as prefixes start and leave the window) is a shortcut for
+    ``_balanced``: placements are the same without it. Some requests are held back first."""
+    def run(shortcut: bool) -> list[int]:
+        policy = CostPlacement(route_prefix_tokens=16, window=4, cold_after=1)
+        if not shortcut:
+            policy._ring_has_room = lambda entry, replicas: None  # type: ignore[method-assign]
+        states = replicas(n)
+        placed, held = [], []
+        for i, (k, hold) in enumerate(arrivals):
+            t = ticket([k + 1, 3 * k + 1] * 8 + [i % 7] * 4, f"r{i}")
+            if hold and policy.defer(t, states, True):
+                held.append(t)
+                continue
+            placed.append(policy.place(t, states))
+        placed += [policy.place(t, states) for t in held]
+        assert sum(policy._by_home.values()) + sum(policy._waiting_by_ring.values()) == len(policy._started)
+        return placed
+
+    assert run(True) == run(False)
+
+
 def test_prefix_key_depth_and_short_prompts():
     long = ticket(list(range(1, 41)))
     assert prefix_key(long, 16, 4) == long.block_hashes[3]

@@ -399,6 +399,13 @@ class CostPlacement:
         # The prefixes started cold lately (at most ``window`` per live replica, oldest first).
         self._started: collections.OrderedDict[int, _Start] = collections.OrderedDict()
         self._assignment: dict[int, int] | None = None  # _balanced()'s, until _started changes
+        # Of the prefixes started lately, by their first replica on the ring (all of them, and
+        # those not started yet), and by where they started: what tells, without _balanced(),
+        # that a new prefix's replica on the ring has room for it.
+        self._by_ring: collections.Counter[int] = collections.Counter()
+        self._waiting_by_ring: collections.Counter[int] = collections.Counter()
+        self._by_home: collections.Counter[int] = collections.Counter()
+        self._unstarted: dict[int, _Start] = {}  # those not started yet (held back), by key
         self._assignment_pin = True
         self._pooled: set[int] = set()  # prefixes whose requests wait to start (see defer)
         # Requests recorded in the window as they arrived (see defer), until placed; bounded (one
@@ -496,21 +503,30 @@ class CostPlacement:
                 order = self.ring.order(None, replicas, key)  # type: ignore[arg-type]
             rank = _digest(key.to_bytes(8, "little"), 0x5EED) / 2.0 ** 64
             entry = self._started[key] = _Start(tuple(order), rank)
+            self._by_ring[entry.order[0]] += 1
+            self._waiting_by_ring[entry.order[0]] += 1
+            self._unstarted[key] = entry
             limit = self.window * max(1, sum(r.alive for r in replicas))
             while len(self._started) > limit:
-                old, _ = self._started.popitem(last=False)
+                old, gone = self._started.popitem(last=False)
+                self._by_ring[gone.order[0]] -= 1
+                if gone.home >= 0:
+                    self._by_home[gone.home] -= 1
+                else:
+                    self._waiting_by_ring[gone.order[0]] -= 1
+                    del self._unstarted[old]
                 self._pooled.discard(old)
             self._assignment = None
         return entry
 
     def _balanced(self, replicas: Sequence[ReplicaState]) -> dict[int, int]:
-        """Where each prefix started lately belongs, as a function of that set alone (so
-        independent gateways that saw the same prefixes agree, whatever the order they came
-        in): its first live replica on the ring, unless that one is home to more than
+        """Where each prefix started lately that has not started yet goes, as a function of the
+        set (so independent gateways that saw the same prefixes agree, whatever the order they
+        came in): its first live replica on the ring, unless that one is home to more than
         ``ceil((1 + cold_epsilon) * p / n) + cold_margin`` of the ``p`` prefixes; then the
         prefixes ranked highest (by a hash of their key) move on along the ring to the first
-        replica under that bound. While no prefix is popular, those already started count
-        where they started instead."""
+        replica under that bound. Those already started count where they started (while a
+        prefix is popular: where the set alone would put them)."""
         # Those already started count where they started, so that prefixes started one at a
         # time even out too; not while a prefix is popular (the two gateways may then disagree
         # on whether new prefixes start evenly at all, and the ring's set alone keeps the rest
@@ -522,14 +538,12 @@ class CostPlacement:
         live = {r.index for r in replicas if r.alive}
         homes: dict[int, list[tuple[float, int]]] = collections.defaultdict(list)
         assignment: dict[int, int] = {}
-        pinned: collections.Counter[int] = collections.Counter()
-        for key, start in self._started.items():
-            if pin and start.home in live:
-                assignment[key] = start.home
-                pinned[start.home] += 1
-                continue
+        # Pinned: those started count where they started, and only the rest are placed here.
+        placing = self._unstarted if pin else self._started
+        for key, start in placing.items():
             h = assignment[key] = next(i for i in start.order if i in live)
             homes[h].append((start.rank, key))
+        pinned = self._by_home if pin else collections.Counter()
         if len(self._started) >= self.cold_after * len(live) and self.cold_epsilon is not None:
             quota = math.ceil((1 + self.cold_epsilon) * len(self._started) / len(live)) + self.cold_margin
             room = {i: max(0, quota - pinned[i]) for i in live}
@@ -561,12 +575,34 @@ class CostPlacement:
             return home
         choice = first
         if self._balancing():
-            i: int = self._balanced(replicas).get(key, first)
+            i = self._ring_has_room(entry, replicas) if home < 0 else None
+            if i is None:
+                i = self._balanced(replicas).get(key, first)
             if replicas[i].alive and (bound is None or replicas[i].load < bound):
                 choice = i
+        if home >= 0:  # started where it cannot go now (gone, or at the load bound)
+            self._by_home[home] -= 1
+        else:
+            self._waiting_by_ring[entry.order[0]] -= 1
+            del self._unstarted[key]
         entry.home = choice
+        self._by_home[choice] += 1
         self._assignment = None
         return choice
+
+    def _ring_has_room(self, entry: _Start, replicas: Sequence[ReplicaState]) -> int | None:
+        """The new prefix's replica on the ring if :meth:`_balanced` would keep it there for
+        certain (that replica is alive and no more prefixes would be home to it than its share
+        with it there: none of them moves), found from counts; else ``None`` (compute it)."""
+        if not all(r.alive for r in replicas):
+            return None
+        h = entry.order[0]
+        n = len(replicas)
+        if len(self._started) < self.cold_after * n or self.cold_epsilon is None:
+            return h
+        quota = math.ceil((1 + self.cold_epsilon) * len(self._started) / n) + self.cold_margin
+        there = self._by_home[h] + self._waiting_by_ring[h] if not self._popular else self._by_ring[h]
+        return h if there <= quota else None
 
     def defer(self, ticket: Ticket, replicas: Sequence[ReplicaState], saturated: bool = True) -> bool:
         """Whether ``ticket`` should wait before it is placed (the router asks of every request
