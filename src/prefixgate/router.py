@@ -13,8 +13,11 @@ Deferred placement: a policy with a ``defer(ticket, replicas, saturated)`` metho
 router, counted in the gateway's ``queued``, and are let go together (each then placed in arrival
 order) once none has joined them for the policy's ``defer_quiet`` seconds (10 ms), a live
 replica's queue empties, ``defer_seconds`` (1 s) pass since the first, or the gateway closes;
-every replica's circular walk then starts again from its smallest key. A request cancelled
-while held leaves nothing behind; one let go by the close meets the close like any queued one.
+every replica's circular walk then starts again from its smallest key. A held request meets
+admission (the admission policy, its tenant's rate, the queue's bounds) when it is let go, so a
+refusal may come up to that long after its arrival, still before any output; ``queue_timeout``
+counts the time held. At most 4,096 are held at once. A request cancelled while held leaves
+nothing behind; one let go by the close meets the close like any queued one.
 
 Failover: a dead replica is skipped by placement from then on. A request it had given no output
 yet when it died (waiting in its queue, or in the engine before its first token) is placed again
