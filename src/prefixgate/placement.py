@@ -398,7 +398,9 @@ class CostPlacement:
         self.defer_share = defer_share
         # The prefixes started cold lately (at most ``window`` per live replica, oldest first).
         self._started: collections.OrderedDict[int, _Start] = collections.OrderedDict()
-        self._assignment: dict[int, int] | None = None  # _balanced()'s, until _started changes
+        # _balanced()'s while a prefix is popular (a function of _started alone then), until
+        # _started changes.
+        self._assignment: dict[int, int] | None = None
         # Of the prefixes started lately, by their first replica on the ring (all of them, and
         # those not started yet), and by where they started: what tells, without _balanced(),
         # that a new prefix's replica on the ring has room for it.
@@ -406,7 +408,6 @@ class CostPlacement:
         self._waiting_by_ring: collections.Counter[int] = collections.Counter()
         self._by_home: collections.Counter[int] = collections.Counter()
         self._unstarted: dict[int, _Start] = {}  # those not started yet (held back), by key
-        self._assignment_pin = True
         self._pooled: set[int] = set()  # prefixes whose requests wait to start (see defer)
         # Requests recorded in the window as they arrived (see defer), until placed; bounded (one
         # cancelled before its placement is never placed).
@@ -532,9 +533,8 @@ class CostPlacement:
         # on whether new prefixes start evenly at all, and the ring's set alone keeps the rest
         # where both put them).
         pin = not self._popular
-        if self._assignment is not None and self._assignment_pin == pin:
+        if not pin and self._assignment is not None:
             return self._assignment
-        self._assignment_pin = pin
         live = {r.index for r in replicas if r.alive}
         homes: dict[int, list[tuple[float, int]]] = collections.defaultdict(list)
         assignment: dict[int, int] = {}
@@ -558,7 +558,8 @@ class CostPlacement:
                         assignment[key] = i
                         room[i] -= 1
                         break
-        self._assignment = assignment
+        if not pin:
+            self._assignment = assignment
         return assignment
 
     def _cold(self, key: int, replicas: Sequence[ReplicaState], order: Sequence[int], first: int,
@@ -587,7 +588,6 @@ class CostPlacement:
             del self._unstarted[key]
         entry.home = choice
         self._by_home[choice] += 1
-        self._assignment = None
         return choice
 
     def _ring_has_room(self, entry: _Start, replicas: Sequence[ReplicaState]) -> int | None:
