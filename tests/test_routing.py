@@ -227,7 +227,8 @@ def test_cold_prefixes_start_evenly_over_the_replicas_while_none_is_popular():
 
     ring = started(CostPlacement(route_prefix_tokens=16, cold_epsilon=None), replicas(4))
     assert max(ring.values()) - min(ring.values()) > 1  # the ring alone: 18 against 14
-    even = CostPlacement(route_prefix_tokens=16, cold_epsilon=0.0, cold_margin=0, cold_after=1)
+    even = CostPlacement(route_prefix_tokens=16, cold_epsilon=0.0, cold_margin=0, cold_after=1,
+                         stream_margin=0)
     got = started(even, replicas(4))
     assert sum(got.values()) == 64 and max(got.values()) - min(got.values()) <= 1
     assert collections.Counter(s.home for s in even._started.values()) == got
@@ -258,6 +259,7 @@ def test_new_prefixes_held_back_in_a_burst_start_evenly_whatever_order_they_came
         states = replicas(4)
         tickets = [ticket(keys[k], f"r{k}") for k in order]
         assert all(policy.defer(t, states, True) for t in tickets)  # every replica busy: all wait
+        policy.released(True)  # the router lets them go once the burst has arrived
         return {k: policy.place(t, states) for k, t in zip(order, tickets, strict=True)}
 
     shuffled = list(range(64))
@@ -273,11 +275,37 @@ def test_new_prefixes_held_back_in_a_burst_start_evenly_whatever_order_they_came
     states = replicas(4)
     for n, k in enumerate(keys):
         policy.defer(ticket(k, f"r{n}"), states, True)
+    policy.released(True)
     stayed, moved = collections.defaultdict(list), collections.defaultdict(list)
     for n, k in enumerate(keys):
         start = policy._started[policy.ring.key(ticket(k), states)]
         (stayed if a[n] == start.order[0] else moved)[start.order[0]].append(start.rank)
     assert moved and all(min(ranks) > max(stayed[h]) for h, ranks in moved.items())
+
+
+def test_new_prefixes_placed_as_they_come_move_only_past_stream_margin():
+    """Let go with a burst (the same set as other gateways'), new prefixes start evenly;
+    let go mid-stream (``released(False)``: other gateways' sets differ by the prefixes that came
+    lately), a replica on the ring keeps up to ``stream_margin`` more, so fewer move."""
+    keys = [[k, k + 1] * 8 + [0] * 4 for k in range(64)]
+
+    def start(burst: bool, margin: int) -> collections.Counter[int]:
+        policy = CostPlacement(route_prefix_tokens=16, stream_margin=margin)
+        states = replicas(4)
+        tickets = [ticket(k, f"r{n}") for n, k in enumerate(keys)]
+        assert all(policy.defer(t, states, True) for t in tickets)
+        policy.released(burst)
+        return collections.Counter(policy.place(t, states) for t in tickets)
+
+    ring = collections.Counter(ConsistentHash(route_prefix_tokens=16).order(ticket(k), replicas(4))[0]
+                               for k in keys)
+    burst, stream, stream0 = start(True, 1), start(False, 1), start(False, 0)
+    assert sorted(burst.values()) == sorted(stream0.values()) == [16, 16, 16, 16]
+    assert max(stream.values()) == 16 + 1 < max(ring.values())  # the ring alone: 18 against 14
+    moved = sum(max(0, ring[i] - stream[i]) for i in ring)
+    assert 0 < moved < sum(max(0, ring[i] - burst[i]) for i in ring)
+    with pytest.raises(ValueError, match="stream_margin"):
+        CostPlacement(stream_margin=-1)
 
 
 def test_only_new_prefixes_are_held_back_and_while_replicas_are_idle_only_the_highest_ranked():
@@ -317,15 +345,16 @@ def test_the_popularity_window_counts_popular_requests_exactly(keys, window, sha
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 60), st.booleans()), min_size=1, max_size=150), st.integers(2, 6))
+@given(st.lists(st.tuples(st.integers(0, 60), st.booleans()), min_size=1, max_size=150), st.integers(2, 6),
+       st.booleans())
 def test_a_new_prefix_kept_on_its_ring_replica_by_the_counts_is_where_the_full_computation_puts_it(
-        arrivals, n):
+        arrivals, n, burst):
     """``_ring_has_room`` (counts kept as prefixes start and leave the window) is a shortcut for
     ``_balanced``: placements are the same without it. Some requests are held back first."""
     def run(shortcut: bool) -> list[int]:
         policy = CostPlacement(route_prefix_tokens=16, window=4, cold_after=1)
         if not shortcut:
-            policy._ring_has_room = lambda entry, replicas: None  # type: ignore[method-assign]
+            policy._ring_has_room = lambda entry, replicas, margin: None  # type: ignore[method-assign]
         states = replicas(n)
         placed, held = [], []
         for i, (k, hold) in enumerate(arrivals):
@@ -334,6 +363,7 @@ def test_a_new_prefix_kept_on_its_ring_replica_by_the_counts_is_where_the_full_c
                 held.append(t)
                 continue
             placed.append(policy.place(t, states))
+        policy.released(burst)  # placed by cold_margin (a burst) or stream_margin
         placed += [policy.place(t, states) for t in held]
         assert sum(policy._by_home.values()) + sum(policy._waiting_by_ring.values()) == len(policy._started)
         return placed
@@ -549,6 +579,32 @@ async def busy_and_new(gw: Gateway) -> tuple[list[asyncio.Future], list[asyncio.
     while not any(t.request_id.startswith("new") for t in router._pool):
         await asyncio.sleep(0)
     return busy, new
+
+
+async def test_the_router_tells_the_policy_whether_the_burst_has_arrived_when_it_lets_requests_go():
+    """``released(True)`` once no request joined the held ones for ``defer_quiet``;
+    ``released(False)`` when a replica's queue empties first (requests still coming)."""
+    calls: list[bool] = []
+
+    class Recording(CostPlacement):
+        def released(self, burst: bool) -> None:
+            calls.append(burst)
+            super().released(burst)
+
+    clock, engines = sims(2, num_blocks=48)
+    async with Gateway(engines, GatewayConfig(placement=Recording(route_prefix_tokens=64)),
+                       clock=clock) as gw:
+        busy, new = await busy_and_new(gw)  # new prefixes arrive together, then none
+        await asyncio.gather(*busy, *new)
+        assert calls and calls[-1] is True
+        calls.clear()
+        stream: list[asyncio.Future] = []
+        later = [p.replace("new system prompt", "later prompt") for p in new_prefixes(40)]
+        for i, p in enumerate(group_prompts(6, 3) + later):  # one every 2 ms
+            stream.append(asyncio.ensure_future(drain(gw.generate(p, SP, request_id=f"s-{i}"))))
+            await clock.sleep(0.002)
+        await asyncio.gather(*stream)
+    assert calls and False in calls
 
 
 async def test_a_request_cancelled_while_it_waits_to_be_placed_leaves_nothing_behind():

@@ -13,11 +13,12 @@ Deferred placement: a policy with a ``defer(ticket, replicas, saturated)`` metho
 router, counted in the gateway's ``queued``, and are let go together (each then placed in arrival
 order) once none has joined them for the policy's ``defer_quiet`` seconds (10 ms), a live
 replica's queue empties, ``defer_seconds`` (1 s) pass since the first, or the gateway closes;
-every replica's circular walk then starts again from its smallest key. A held request meets
-admission (the admission policy, its tenant's rate, the queue's bounds) when it is let go, so a
-refusal may come up to that long after its arrival, still before any output; ``queue_timeout``
-counts the time held. At most 4,096 are held at once. A request cancelled while held leaves
-nothing behind; one let go by the close meets the close like any queued one.
+the policy's ``released(burst)`` (if any) is told whether it was the first (the burst had
+arrived), and every replica's circular walk then starts again from its smallest key. A held
+request meets admission (the admission policy, its tenant's rate, the queue's bounds) when it is
+let go, so a refusal may come up to that long after its arrival, still before any output;
+``queue_timeout`` counts the time held. At most 4,096 are held at once. A request cancelled
+while held leaves nothing behind; one let go by the close meets the close like any queued one.
 
 Failover: a dead replica is skipped by placement from then on. A request it had given no output
 yet when it died (waiting in its queue, or in the engine before its first token) is placed again
@@ -95,6 +96,7 @@ class Router:
         self._pool: dict[Ticket, asyncio.Future[None]] = {}
         self._pool_timer: asyncio.TimerHandle | asyncio.Task[None] | None = None
         self._defer = getattr(policy, "defer", None)
+        self._released = getattr(policy, "released", None)
         self.defer_seconds = float(getattr(policy, "defer_seconds", 1.0))
         self.defer_quiet = float(getattr(policy, "defer_quiet", 0.01))
         self._pool_since = 0.0
@@ -183,13 +185,16 @@ class Router:
         would wait anyway)."""
         return all(u.scheduler.num_waiting > 0 for u in self.units if u.state.alive)
 
-    def _release_pool(self) -> None:
-        """Lets every request waiting to be placed go on (each places itself, in arrival order)."""
+    def _release_pool(self, burst: bool = False) -> None:
+        """Lets every request waiting to be placed go on (each places itself, in arrival order);
+        ``burst``: none joined them for ``defer_quiet`` (told to the policy's ``released``)."""
         pool, self._pool = self._pool, {}
         if self._pool_timer is not None:
             self._pool_timer.cancel()
             self._pool_timer = None
         if pool:
+            if self._released is not None:
+                self._released(burst)
             for unit in self.units:
                 unit.scheduler.rewind()
         for future in pool.values():
@@ -207,7 +212,7 @@ class Router:
                 break
             await clock.sleep(due - now)
         self._pool_timer = None
-        self._release_pool()
+        self._release_pool(burst=now >= self._pool_last + self.defer_quiet)
 
     async def _wait_to_place(self, ticket: Ticket) -> None:
         """Waits until the pool is let go (a replica's queue empties, ``defer_seconds`` pass,
