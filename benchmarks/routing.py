@@ -356,7 +356,8 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0,
 
 
 COST_OPTIONS: dict[str, Any] = {}
-"""``CostPlacement`` options for the ``L`` arm (``--cost-epsilon``, ``--cost-request-tokens``)."""
+"""``CostPlacement`` options for the ``L`` arm (``--cost-epsilon``, ``--cost-request-tokens``,
+``--cost-stream-margin``)."""
 
 
 def _policy(arm: str) -> Any:
@@ -623,12 +624,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cost-request-tokens", type=int, default=None,
                    help="L: CostPlacement(request_tokens=...), what a request in flight counts for "
                    "(default: half the prompt being placed)")
+    p.add_argument("--cost-stream-margin", type=int, default=None,
+                   help="L: CostPlacement(stream_margin=...), what new prefixes placed as they come "
+                   "may exceed the even bound by (2: for several gateways; default: cold_margin)")
     args = p.parse_args(argv)
     COST_OPTIONS.clear()
     if args.cost_epsilon is not None:
         COST_OPTIONS["epsilon"] = args.cost_epsilon
     if args.cost_request_tokens is not None:
         COST_OPTIONS["request_tokens"] = args.cost_request_tokens
+    if args.cost_stream_margin is not None:
+        COST_OPTIONS["stream_margin"] = args.cost_stream_margin
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
