@@ -30,10 +30,11 @@ Arms (the same trace; each on fresh engines):
 * ``L rr``: the gateway with ``placement="round_robin"``: its queueing without placement.
 
 Two independent gateways (``run_pair``; the Zipf cases, and the even ones with
-``--pair-even``): both over the same N engines, each
-sent every other request of the burst, placing by ``L``'s and by ``L ring``'s policy with no
-state shared: how alike their placements of each prefix group are (the overlap of their shares
-per replica), and the pair's hit rate against one gateway's given the whole trace.
+``--pair-even``): both over the same N engines, each sent every other request of the burst,
+placing by ``L``'s (with ``stream_margin`` 2, as advised for several gateways) and by ``L
+ring``'s policy with no state shared: how alike their placements of each prefix group are (the
+overlap of their shares per replica), and the pair's hit rate against one gateway's given the
+whole trace.
 
 Metrics: hit rate (engine-reported cached tokens over prompt tokens), computed prefill tokens,
 req/s (requests over the virtual makespan), and load imbalance: each replica's time-averaged
@@ -360,12 +361,17 @@ COST_OPTIONS: dict[str, Any] = {}
 ``--cost-stream-margin``)."""
 
 
-def _policy(arm: str) -> Any:
-    """A fresh placement policy for ``arm`` (``L`` with :data:`COST_OPTIONS`)."""
+def _policy(arm: str, gateways: int = 1) -> Any:
+    """A fresh placement policy for ``arm`` (``L`` with :data:`COST_OPTIONS`), for one of
+    ``gateways`` independent gateways: with several, ``L`` places new prefixes that come in a
+    stream with ``stream_margin`` 2, as ``CostPlacement`` advises (unless the options say)."""
     from prefixgate.placement import CostPlacement, make_placement
 
-    if arm == "L" and COST_OPTIONS:
-        return CostPlacement(**COST_OPTIONS)
+    if arm == "L" and (COST_OPTIONS or gateways > 1):
+        options = dict(COST_OPTIONS)
+        if gateways > 1:
+            options.setdefault("stream_margin", 2)
+        return CostPlacement(**options)
     return make_placement(PLACEMENT[arm])
 
 
@@ -373,13 +379,14 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
                    spread: float = 0.0) -> dict[str, Any]:
     """Two independent gateways over the same engines, each sent every other request of the
     (shuffled) trace at once (or evenly over ``spread`` seconds): where each put each prefix
-    group, and the hit rate of the pair."""
+    group, and the hit rate of the pair. Each places as :func:`_policy` advises for several
+    gateways (``L``: ``stream_margin`` 2)."""
     from prefixgate import Gateway, GatewayConfig
 
     engines, clock = await pool.get()
     requests = list(enumerate(trace.requests))
     random.Random(seed).shuffle(requests)
-    recorders = [_Recorder(_policy(arm)), _Recorder(_policy(arm))]
+    recorders = [_Recorder(_policy(arm, gateways=2)), _Recorder(_policy(arm, gateways=2))]
     where: dict[int, list[collections.Counter[int]]] = collections.defaultdict(
         lambda: [collections.Counter(), collections.Counter()])
     outs: list[Any] = []
@@ -626,7 +633,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "(default: half the prompt being placed)")
     p.add_argument("--cost-stream-margin", type=int, default=None,
                    help="L: CostPlacement(stream_margin=...), what new prefixes placed as they come "
-                   "may exceed the even bound by (2: for several gateways; default: cold_margin)")
+                   "may exceed the even bound by (default: cold_margin for one gateway, 2 for each of the "
+                   "two-gateway runs)")
     args = p.parse_args(argv)
     COST_OPTIONS.clear()
     if args.cost_epsilon is not None:
