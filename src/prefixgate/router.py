@@ -94,7 +94,7 @@ class Router:
         # future that lets it go on: while every replica has requests waiting, and at most
         # ``defer_seconds`` (the policy's; 1 s if it has none).
         self._pool: dict[Ticket, asyncio.Future[None]] = {}
-        self._pool_timer: asyncio.TimerHandle | asyncio.Task[None] | None = None
+        self._pool_timer: asyncio.Task[None] | None = None
         self._defer = getattr(policy, "defer", None)
         self._released = getattr(policy, "released", None)
         self.defer_seconds = float(getattr(policy, "defer_seconds", 1.0))
