@@ -361,6 +361,11 @@ COST_OPTIONS: dict[str, Any] = {}
 ``--cost-stream-margin``)."""
 
 
+PAIR_PREFER_RESIDENT = False
+"""``GatewayConfig.prefer_resident`` of each of the two independent gateways (``False``, as it
+advises for several gateways; ``--pair-prefer-resident``: the default, ``True``)."""
+
+
 def _policy(arm: str, gateways: int = 1) -> Any:
     """A fresh placement policy for ``arm`` (``L`` with :data:`COST_OPTIONS`), for one of
     ``gateways`` independent gateways: with several, ``L`` places new prefixes that come in a
@@ -380,7 +385,8 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
     """Two independent gateways over the same engines, each sent every other request of the
     (shuffled) trace at once (or evenly over ``spread`` seconds): where each put each prefix
     group, and the hit rate of the pair. Each places as :func:`_policy` advises for several
-    gateways (``L``: ``stream_margin`` 2)."""
+    gateways (``L``: ``stream_margin`` 2) and queues with ``prefer_resident`` off
+    (:data:`PAIR_PREFER_RESIDENT`)."""
     from prefixgate import Gateway, GatewayConfig
 
     engines, clock = await pool.get()
@@ -392,8 +398,8 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
     outs: list[Any] = []
     errors: collections.Counter[str] = collections.Counter()
     start = clock.now()
-    async with Gateway(engines, GatewayConfig(placement=recorders[0]), clock=clock) as a, \
-            Gateway(engines, GatewayConfig(placement=recorders[1]), clock=clock) as b:
+    configs = [GatewayConfig(placement=r, prefer_resident=PAIR_PREFER_RESIDENT) for r in recorders]
+    async with Gateway(engines, configs[0], clock=clock) as a, Gateway(engines, configs[1], clock=clock) as b:
         async def through(k: int, i: int, req: Any) -> None:
             side = k % 2
             gw, rid = (a, b)[side], f"pair-{arm.replace(' ', '_')}-s{seed}-g{side}-{i}"
@@ -635,7 +641,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="L: CostPlacement(stream_margin=...), what new prefixes placed as they come "
                    "may exceed the even bound by (default: cold_margin for one gateway, 2 for each of the "
                    "two-gateway runs)")
+    p.add_argument("--pair-prefer-resident", action="store_true",
+                   help="the two-gateway runs queue with GatewayConfig(prefer_resident=True), one "
+                   "gateway's default (default: False, as advised for several gateways)")
     args = p.parse_args(argv)
+    global PAIR_PREFER_RESIDENT
+    PAIR_PREFER_RESIDENT = args.pair_prefer_resident
     COST_OPTIONS.clear()
     if args.cost_epsilon is not None:
         COST_OPTIONS["epsilon"] = args.cost_epsilon

@@ -148,7 +148,8 @@ class Gateway:
             clock=self.clock, max_queue_len=config.max_queue_len, max_in_flight=max_in_flight,
             max_wait_factor=config.max_wait_factor, min_aging_wait=config.min_aging_wait,
             tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits,
-            share_base=replica.slots, tenant_order=config.tenant_order)
+            share_base=replica.slots, tenant_order=config.tenant_order,
+            prefer_resident=config.prefer_resident)
         return replica, scheduler
 
     @classmethod

@@ -214,6 +214,9 @@ class Scheduler:
         share_base: What ``max_in_flight_share`` is a share of: the engine's ``max_num_seqs``
             (the requests it really runs at once); ``None`` for ``max_in_flight``.
         tenant_order: ``"fair"`` or ``"global"`` (see :data:`TENANT_ORDERS`).
+        prefer_resident: Under a circular policy, when a group ends, prefer a waiting ticket
+            whose prefix the engine holds (per the mirror) to the walk's next one (see
+            :meth:`_pick`); ``False``: the walk alone.
 
     Raises:
         ValueError: If ``tenant_order`` is unknown, or ``"global"`` with a circular policy.
@@ -223,7 +226,8 @@ class Scheduler:
                  clock: Clock, max_queue_len: int, max_in_flight: int | None,
                  max_wait_factor: float, min_aging_wait: float,
                  tenant_limits: dict[str, TenantLimits], default_limits: TenantLimits,
-                 share_base: int | None = None, tenant_order: str = "fair") -> None:
+                 share_base: int | None = None, tenant_order: str = "fair",
+                 prefer_resident: bool = True) -> None:
         if tenant_order not in TENANT_ORDERS:
             raise ValueError(f"unknown tenant_order {tenant_order!r}; one of {TENANT_ORDERS}")
         if tenant_order == "global" and policy.circular:
@@ -231,6 +235,7 @@ class Scheduler:
                              f"{type(policy).__name__}")
         self.policy = policy
         self.circular = policy.circular
+        self.prefer_resident = prefer_resident and policy.circular
         self.global_order = tenant_order == "global"
         self._arrivals: deque[Ticket] = deque()  # under "global": every waiting ticket, by age
         self.outside = 0  # requests the gateway holds as queued outside this queue (rate waits)
@@ -335,7 +340,7 @@ class Scheduler:
         state = self._state(ticket.tenant)
         queue = state.queue
         half = (ticket.cacheable_blocks + 1) // 2
-        warm = self.circular and half > 0 and self.mirror.holds(ticket.block_hashes[half - 1])
+        warm = self.prefer_resident and half > 0 and self.mirror.holds(ticket.block_hashes[half - 1])
         if queue is None:
             queue = state.queue = self._spare.pop() if self._spare else WaitingQueue(self.policy)
             self._queued_tenants += 1
@@ -484,6 +489,8 @@ class Scheduler:
         if not self.circular or state.last_key is None:
             return queue.first()
         ticket = queue.after(state.last_key)
+        if not self.prefer_resident:
+            return ticket
         mirror = self.mirror
         best, best_hits = ticket, mirror.match(ticket.block_hashes, ticket.cacheable_blocks)
         for i, other in enumerate(queue.by_age()):
