@@ -112,10 +112,12 @@ class GatewayConfig:
             engines whose caches hold less than their share of the prefixes: each gateway
             prefers the prefixes its own first arrivals loaded, so two gateways walk the groups
             at different times and the second loads many again after eviction. On the simulated
-            W5 (2 replicas, 64 groups, even popularity, each replica's cache 0.73 of its share of
-            the prefixes, two gateways each sent every other request, 3 seeds) the pair's hit rate
-            read 0.997 of one gateway's with ``False`` against 0.966 with ``True``; one gateway
-            alone lost one group's hits in one seed of three (0.860 against 0.862).
+            W5 (2 replicas, 64 groups, each replica's cache 0.73 of its share of the prefixes, two
+            gateways each sent every other request, 3 seeds) the pair's hit rate read 0.996 of one
+            gateway's with ``False`` against 0.967 with ``True`` (even popularity; Zipf, where
+            the pair loses hits to split placements instead, 0.971 against 0.976); on an H100
+            with ``True`` it read 0.863. One gateway with ``False`` lost one group's hits in one
+            seed of three (0.860 against 0.862).
         max_queue_len: The most requests waiting; more are refused with ``QueueFull``.
         queue_timeout: Seconds a request may wait before ``QueueTimeout``; ``None``: no limit.
         max_wait_factor: Aging bound: a request that newer ones have overtaken and that has
