@@ -365,6 +365,10 @@ PAIR_PREFER_RESIDENT = False
 """``GatewayConfig.prefer_resident`` of each of the two independent gateways (``False``, as it
 advises for several gateways; ``--pair-prefer-resident``: the default, ``True``)."""
 
+PAIR_KV_BUDGET = 0.5
+"""``GatewayConfig.kv_budget`` of each of the two independent gateways (half the cache each, as
+it advises for several gateways; ``--pair-kv-budget``)."""
+
 
 def _policy(arm: str, gateways: int = 1) -> Any:
     """A fresh placement policy for ``arm`` (``L`` with :data:`COST_OPTIONS`), for one of
@@ -385,8 +389,8 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
     """Two independent gateways over the same engines, each sent every other request of the
     (shuffled) trace at once (or evenly over ``spread`` seconds): where each put each prefix
     group, and the hit rate of the pair. Each places as :func:`_policy` advises for several
-    gateways (``L``: ``stream_margin`` 2) and queues with ``prefer_resident`` off
-    (:data:`PAIR_PREFER_RESIDENT`)."""
+    gateways (``L``: ``stream_margin`` 2) and queues with ``prefer_resident`` off and half the
+    KV budget (:data:`PAIR_PREFER_RESIDENT`, :data:`PAIR_KV_BUDGET`)."""
     from prefixgate import Gateway, GatewayConfig
 
     engines, clock = await pool.get()
@@ -398,7 +402,8 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
     outs: list[Any] = []
     errors: collections.Counter[str] = collections.Counter()
     start = clock.now()
-    configs = [GatewayConfig(placement=r, prefer_resident=PAIR_PREFER_RESIDENT) for r in recorders]
+    configs = [GatewayConfig(placement=r, prefer_resident=PAIR_PREFER_RESIDENT, kv_budget=PAIR_KV_BUDGET)
+               for r in recorders]
     async with Gateway(engines, configs[0], clock=clock) as a, Gateway(engines, configs[1], clock=clock) as b:
         async def through(k: int, i: int, req: Any) -> None:
             side = k % 2
@@ -644,9 +649,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pair-prefer-resident", action="store_true",
                    help="the two-gateway runs queue with GatewayConfig(prefer_resident=True), one "
                    "gateway's default (default: False, as advised for several gateways)")
+    p.add_argument("--pair-kv-budget", type=float, default=0.5,
+                   help="the two-gateway runs queue with GatewayConfig(kv_budget=...) (default: 0.5, "
+                   "half the cache each, as advised for several gateways; 1.0: one gateway's default)")
     args = p.parse_args(argv)
-    global PAIR_PREFER_RESIDENT
+    global PAIR_PREFER_RESIDENT, PAIR_KV_BUDGET
     PAIR_PREFER_RESIDENT = args.pair_prefer_resident
+    PAIR_KV_BUDGET = args.pair_kv_budget
     COST_OPTIONS.clear()
     if args.cost_epsilon is not None:
         COST_OPTIONS["epsilon"] = args.cost_epsilon
