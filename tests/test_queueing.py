@@ -57,51 +57,38 @@ async def test_priority_ordering_runs_lower_priority_values_first():
     assert engine.started == ["r3", "r1", "r2", "r0"]
 
 
-async def test_prefix_ordering_returns_to_a_resident_prefix_after_a_group_ends():
-    clock = FakeClock()
+async def resident_order(resident: bool, cold: str, **config) -> list[str]:
+    """The dispatch order of a blocker, then three cold groups and a newest request whose
+    prefix is resident in the engine (``resident``: a request loaded it first), one at a time."""
     engine = FakeEngine(block_size=4, step=asyncio.Event())
-    gw = Gateway(engine, GatewayConfig(ordering="prefix", max_in_flight=1, min_aging_wait=60),
-                 clock=clock)
+    gw = Gateway(engine, GatewayConfig(ordering="prefix", max_in_flight=1, min_aging_wait=60, **config),
+                 clock=FakeClock())
     warm = "resident doc " * 4
     engine.step.set()
-    await drain(gw.generate(warm + "first", SP, request_id="warm"))
+    if resident:
+        await drain(gw.generate(warm + "first", SP, request_id="warm"))
     engine.step.clear()
     blocker = asyncio.create_task(drain(gw.generate("blocker " * 3, SP, request_id="blocker")))
     await run_until_idle()
-    cold = [asyncio.create_task(drain(gw.generate(f"cold {i} " * 6, SP, request_id=f"cold{i}")))
+    rest = [asyncio.create_task(drain(gw.generate(f"{cold} {i} " * 6, SP, request_id=f"cold{i}")))
             for i in range(3)]
-    hot = asyncio.create_task(drain(gw.generate(warm + "second", SP, request_id="hot")))
+    rest.append(asyncio.create_task(drain(gw.generate(warm + "second", SP, request_id="hot"))))
     await run_until_idle()
     engine.step.set()
-    await asyncio.gather(blocker, hot, *cold)
-    assert engine.started[2] == "hot"  # newest, but its prefix is resident
+    await asyncio.gather(blocker, *rest)
+    return [r for r in engine.started if r != "warm"]
+
+
+async def test_prefix_ordering_returns_to_a_resident_prefix_after_a_group_ends():
+    assert (await resident_order(True, "cold"))[1] == "hot"  # newest, but its prefix is resident
 
 
 async def test_with_prefer_resident_off_the_walk_alone_decides():
     """``prefer_resident=False`` (several gateways in front of the same engines): a waiting
     request whose prefix the engine holds goes when the walk comes to it, as if it did not."""
-    async def order(resident: bool, prefer: bool) -> list[str]:
-        engine = FakeEngine(block_size=4, step=asyncio.Event())
-        gw = Gateway(engine, GatewayConfig(ordering="prefix", max_in_flight=1, min_aging_wait=60,
-                                           prefer_resident=prefer), clock=FakeClock())
-        warm = "resident doc " * 4
-        engine.step.set()
-        if resident:
-            await drain(gw.generate(warm + "first", SP, request_id="warm"))
-        engine.step.clear()
-        blocker = asyncio.create_task(drain(gw.generate("blocker " * 3, SP, request_id="blocker")))
-        await run_until_idle()
-        rest = [asyncio.create_task(drain(gw.generate(f"topic {i} " * 6, SP, request_id=f"cold{i}")))
-                for i in range(3)]
-        rest.append(asyncio.create_task(drain(gw.generate(warm + "second", SP, request_id="hot"))))
-        await run_until_idle()
-        engine.step.set()
-        await asyncio.gather(blocker, *rest)
-        return [r for r in engine.started if r != "warm"]
-
-    walk = await order(False, True)
-    assert await order(True, False) == walk
-    assert (await order(True, True))[1] == "hot" != walk[1]  # the preference would go to it
+    walk = await resident_order(False, "topic")
+    assert await resident_order(True, "topic", prefer_resident=False) == walk
+    assert (await resident_order(True, "topic"))[1] == "hot" != walk[1]  # the preference would go to it
 
 
 async def test_a_sibling_that_joins_after_its_group_was_left_goes_at_the_next_group_end():
