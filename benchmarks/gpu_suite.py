@@ -25,7 +25,9 @@ Parts (one engine start each, or two for ``capped``; several, comma-separated, r
   (``max_model_len`` 16,384), each step saved as ``fit-<shape>.json`` (issue 15).
 * ``fid``: 8B, KV uncapped: W3 p=0, W3 p=0.5 and W1 (B1, L, O), the simulator's fidelity pass.
 * ``w3p0``: 8B, KV uncapped: W3 p=0 (B1, L, O) alone, the check an ingress, queueing or dispatch
-  change needs (where there is nothing to win, what does the gateway cost?).
+  change needs (where there is nothing to win, what does the gateway cost?). ``--variant
+  "LABEL:KEY=VALUE,..."`` (repeatable) adds L arms with those GatewayConfig fields (values as
+  JSON where they parse), e.g. ``--variant "L threads:ingress=threads"``.
 * ``diag``: 8B, the simulator's misses (issue 15) with every scheduler step saved: W3 p=0 (B1,
   L, O; KV uncapped), then W4's trace as one burst of B1 and L (KV capped as W4 caps it).
 
@@ -258,7 +260,10 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
     elif part == "w3p0":
         engine = await factory.start(caching=True, kv_cap_tokens=None)
         try:
-            await run("W3 p=0", trace("W3", noise_p=0.0), engine, plain("W3"))
+            variants = plain("W3")
+            variants[2:2] = [(label, "L", gateway_config("W3", fields))
+                             for label, fields in _variants(args.variant)]
+            await run("W3 p=0", trace("W3", noise_p=0.0), engine, variants)
         finally:
             await engine.close()
     elif part == "diag":
@@ -340,6 +345,26 @@ def _write(path: Path, result: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(result, indent=2) + "\n")
 
 
+def _variants(specs: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
+    """``--variant "LABEL:KEY=VALUE,KEY=VALUE"`` → (label, GatewayConfig overrides)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for spec in specs:
+        label, sep, rest = spec.partition(":")
+        fields: dict[str, Any] = {}
+        for item in filter(None, (part.strip() for part in rest.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                raise SystemExit(f"--variant {spec!r}: each field must look like KEY=VALUE")
+            try:
+                fields[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                fields[key.strip()] = value.strip()
+        if not sep or not label.strip() or label.strip() in ("B1", "L", "O"):
+            raise SystemExit(f"--variant {spec!r}: must look like 'LABEL:KEY=VALUE,...' with a new label")
+        out.append((label.strip(), fields))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_suite", description=__doc__.split("\n")[0])
@@ -357,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-detokenize", action="store_true",
                    help="SamplingParams(detokenize=False) for every arm (B1, L and O alike): takes the "
                         "dummy model's out-of-vocabulary detokenizing off vLLM's event loop")
+    p.add_argument("--variant", action="append", default=[],
+                   help="w3p0: an extra L arm, 'LABEL:KEY=VALUE,...' (GatewayConfig fields; repeatable)")
     p.add_argument("--engine", choices=["vllm", "vllm-cpu"], default="vllm",
                    help="vllm-cpu: a dry run with the tiny Llama (--tokenizer is its directory)")
     args = p.parse_args(argv)
