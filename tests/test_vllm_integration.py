@@ -121,6 +121,31 @@ async def test_predicted_hits_equal_vllm_num_cached_tokens_per_request(vllm_engi
     assert stats.completed == 18
 
 
+async def test_paced_dispatch_holds_the_backlog_and_keeps_predictions_exact(vllm_engine):
+    """``max_prefill_backlog`` on real vLLM: a burst of shared-prefix prompts all complete; the
+    requests handed over and not yet started never held more uncached tokens than the cap plus
+    the last one dispatched (dispatch goes on while under the cap); some waited for an earlier
+    one's first output; every hit prediction is exact."""
+    await fresh(vllm_engine)
+    rng = random.Random(5)
+    systems = [prose(rng, 40) for _ in range(3)]
+    prompts = [f"{systems[i % 3]}\nQuestion {i}: {prose(rng, 1, rng.randint(5, 60))}" for i in range(12)]
+    cap = 1200
+    async with Gateway.for_vllm(vllm_engine, GatewayConfig(max_prefill_backlog=cap, ingress="inline")) as gw:
+        done = await asyncio.gather(*(run(gw, p, f"paced-{i}") for i, p in enumerate(prompts)))
+        assert gw._scheduler.backlog == 0
+    tickets = [s.ticket for s, _ in done]
+    assert all(t.dispatched_at is not None and t.first_output_at is not None for t in tickets)
+    uncached = {id(t): len(t.prompt_token_ids) - t.predicted_hit_tokens for t in tickets}
+    for t in tickets:  # just after each dispatch instant
+        pending = sum(uncached[id(u)] for u in tickets
+                      if u.dispatched_at <= t.dispatched_at < u.first_output_at)
+        assert pending < cap + max(uncached.values())
+    assert max(t.dispatched_at for t in tickets) > min(t.first_output_at for t in tickets)
+    assert [s.predicted_hit_tokens for s, _ in done] == [s.cached_tokens for s, _ in done]
+    assert all(len(last.outputs[0].token_ids) == 4 for _, last in done)
+
+
 async def test_whitespace_noise_hit_rate_reaches_the_ceiling_only_through_prefixgate(vllm_engine):
     rng = random.Random(11)
     tok = vllm_engine.tokenizer

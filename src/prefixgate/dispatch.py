@@ -224,6 +224,9 @@ class Dispatcher:
             return False
         if scheduler.max_in_flight is not None and len(scheduler.running) >= scheduler.max_in_flight:
             return False
+        cap = scheduler.max_prefill_backlog
+        if cap is not None and scheduler.backlog >= cap:
+            return False
         admission = self.replica.admission
         return admission.fits(admission.need(ticket))
 
@@ -350,6 +353,8 @@ class Dispatcher:
                     replica.outputs += 1
                     if ticket.first_output_at is None:
                         ticket.first_output(self.clock.now())
+                        if self.scheduler.started(ticket):
+                            self.schedule_pump()
                     done = completion(out, sampling_params)
                     if done is not None:
                         if done.aborted:  # by our own aclose(timeout), or behind our back

@@ -52,6 +52,9 @@ class Reason(enum.StrEnum):
     """The engine has had work but reported no step for ``stats_max_age``: treated as full."""
     MAX_IN_FLIGHT = "max_in_flight"
     """``max_in_flight`` requests are in the engine already."""
+    PREFILL_BACKLOG = "prefill_backlog"
+    """Requests handed to the engine and not yet started hold ``max_prefill_backlog`` prompt
+    tokens it must still compute."""
     TENANT_SHARE = "tenant_share"
     """Every waiting tenant is at its ``max_in_flight_share`` while others have work in flight."""
     QUEUED_AHEAD = "queued_ahead"

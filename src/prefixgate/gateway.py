@@ -149,7 +149,7 @@ class Gateway:
             max_wait_factor=config.max_wait_factor, min_aging_wait=config.min_aging_wait,
             tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits,
             share_base=replica.slots, tenant_order=config.tenant_order,
-            prefer_resident=config.prefer_resident)
+            prefer_resident=config.prefer_resident, max_prefill_backlog=config.max_prefill_backlog)
         return replica, scheduler
 
     @classmethod
@@ -300,8 +300,8 @@ class Gateway:
 
         Raises:
             Overloaded: The request does not fit now (reason: ``kv_reserved``, ``kv_free_low``,
-                ``kv_stats_stale``, ``max_in_flight``, ``tenant_share`` or ``queued_ahead``);
-                see ``retry_after``.
+                ``kv_stats_stale``, ``max_in_flight``, ``prefill_backlog``, ``tenant_share`` or
+                ``queued_ahead``); see ``retry_after``.
             RateLimited: The tenant's request rate is used up.
             Everything :meth:`generate` raises.
         """

@@ -36,8 +36,10 @@ How a ticket is chosen, in order:
    siblings that share a prefix are adjacent and dispatched together. When a circular policy
    finishes a group it prefers, among the oldest few tickets, one whose prefix is resident in
    the engine (per the mirror).
-5. **Window.** The chosen ticket is dispatched only if its KV blocks fit (see admission.py) and
-   fewer than ``max_in_flight`` requests are running; otherwise dispatch stops (no overtaking).
+5. **Window.** The chosen ticket is dispatched only if its KV blocks fit (see admission.py),
+   fewer than ``max_in_flight`` requests are running and, with ``max_prefill_backlog`` set, the
+   tickets dispatched but not yet started hold fewer prompt tokens to compute than that;
+   otherwise dispatch stops (no overtaking).
 """
 
 from __future__ import annotations
@@ -217,6 +219,10 @@ class Scheduler:
         prefer_resident: Under a circular policy, when a group ends, prefer a waiting ticket
             whose prefix the engine holds (per the mirror) to the walk's next one (see
             :meth:`_pick`); ``False``: the walk alone.
+        max_prefill_backlog: Dispatch stops while the tickets dispatched and not yet started
+            (no output yet) hold this many prompt tokens the mirror predicts uncached (their
+            :attr:`backlog`); ``None``: no such cap. One ticket always may go when none holds
+            any, however long its prompt.
 
     Raises:
         ValueError: If ``tenant_order`` is unknown, or ``"global"`` with a circular policy.
@@ -227,7 +233,7 @@ class Scheduler:
                  max_wait_factor: float, min_aging_wait: float,
                  tenant_limits: dict[str, TenantLimits], default_limits: TenantLimits,
                  share_base: int | None = None, tenant_order: str = "fair",
-                 prefer_resident: bool = True) -> None:
+                 prefer_resident: bool = True, max_prefill_backlog: int | None = None) -> None:
         if tenant_order not in TENANT_ORDERS:
             raise ValueError(f"unknown tenant_order {tenant_order!r}; one of {TENANT_ORDERS}")
         if tenant_order == "global" and policy.circular:
@@ -244,6 +250,8 @@ class Scheduler:
         self.clock = clock
         self.max_queue_len = max_queue_len
         self.max_in_flight = max_in_flight
+        self.max_prefill_backlog = max_prefill_backlog
+        self.backlog = 0  # prompt tokens predicted uncached of dispatched tickets not yet started
         self.max_wait_factor = max_wait_factor
         self.min_aging_wait = min_aging_wait
         self.tenant_limits = tenant_limits
@@ -363,6 +371,8 @@ class Scheduler:
             self._forget_if_idle(self.tenants[ticket.tenant])
         elif ticket.state is TicketState.RUNNING:
             self.running.discard(ticket)
+            self.backlog -= ticket.backlog_tokens
+            ticket.backlog_tokens = 0
             state = self.tenants[ticket.tenant]
             state.running -= 1
             if state.queue is not None:
@@ -546,6 +556,16 @@ class Scheduler:
         rider = self._rider(state, queue)
         return (rider, False) if rider is not None else (self._pick(state, queue), False)
 
+    def started(self, ticket: Ticket) -> bool:
+        """Notes that a running ``ticket`` produced its first output (the engine started it):
+        its tokens leave the prefill backlog. Returns whether that may let a waiting ticket go
+        (dispatch stopped on the backlog and tickets wait): then pump."""
+        if not ticket.backlog_tokens:
+            return False
+        self.backlog -= ticket.backlog_tokens
+        ticket.backlog_tokens = 0
+        return self.blocked is Reason.PREFILL_BACKLOG and self._waiting > 0
+
     def next_batch(self) -> list[Dispatch]:
         """Dispatches, in order, every ticket that may go now; reserves blocks, predicts hits.
 
@@ -556,9 +576,13 @@ class Scheduler:
         now = self.clock.now()
         self.blocked = None
         admission = self.admission
+        cap = self.max_prefill_backlog
         while self._waiting:
             if self.max_in_flight is not None and len(self.running) >= self.max_in_flight:
                 self.blocked = Reason.MAX_IN_FLIGHT
+                break
+            if cap is not None and self.backlog >= cap:
+                self.blocked = Reason.PREFILL_BACKLOG
                 break
             choice = self._choose(now)
             if choice is None:
@@ -585,7 +609,11 @@ class Scheduler:
                 self.failed.append((ticket, e))
                 continue
             self.mirror.insert(ticket.block_hashes)
-            ticket.start(now, hit_blocks * admission.block_size)
+            hit_tokens = hit_blocks * admission.block_size
+            ticket.start(now, hit_tokens)
+            if cap is not None:
+                ticket.backlog_tokens = max(1, len(ticket.prompt_token_ids) - hit_tokens)
+                self.backlog += ticket.backlog_tokens
             if ticket.predicted_wait is not None:
                 admission.observe_wait(ticket.predicted_wait, now - ticket.arrival)
             self.running.add(ticket)

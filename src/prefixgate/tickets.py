@@ -62,6 +62,8 @@ class Ticket:
         outcome: How it ended, once known.
         dispatched_at: Gateway clock time it was handed to the engine.
         first_output_at: Gateway clock time of its first output.
+        backlog_tokens: While dispatched and without output: the prompt tokens it counts in its
+            scheduler's prefill backlog (``GatewayConfig.max_prefill_backlog``); else 0.
         finished_at: Gateway clock time its reservations were released.
         predicted_hit_tokens: Cache-hit tokens the gateway predicted at dispatch.
         predicted_wait: Raw predicted queue wait when it joined a non-empty queue.
@@ -100,6 +102,7 @@ class Ticket:
     finished_at: float | None = None
     predicted_hit_tokens: int | None = None
     predicted_wait: float | None = None
+    backlog_tokens: int = field(default=0, repr=False)
     cached_tokens: int | None = None
     output_token_ids: tuple[int, ...] = ()
     granted: asyncio.Future[None] | None = field(default=None, repr=False)
