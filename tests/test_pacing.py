@@ -119,3 +119,17 @@ async def test_dispatch_now_refuses_while_the_backlog_is_full():
 def test_the_backlog_must_be_positive():
     with pytest.raises(ValueError, match="max_prefill_backlog"):
         GatewayConfig(max_prefill_backlog=0)
+
+
+async def test_each_replica_paces_its_own_backlog():
+    engines = [FakeEngine(block_size=4, step=asyncio.Event()) for _ in range(2)]
+    gw = Gateway(engines, GatewayConfig(max_prefill_backlog=50, ordering="fcfs", placement="round_robin"))
+    tasks = [asyncio.create_task(drain(gw.generate(t, SP, request_id=f"r{i}")))
+             for i, t in enumerate(prompts(8, 40))]
+    await run_until_idle()
+    assert [len(e.started) for e in engines] == [2, 2]  # 80 >= 50 on each, four queued on each
+    for e in engines:
+        e.step.set()
+    assert all(len(r) == 2 for r in await asyncio.gather(*tasks))
+    assert sorted(len(e.started) for e in engines) == [4, 4]
+    assert [u.scheduler.backlog for u in gw._router.units] == [0, 0]
