@@ -34,7 +34,10 @@ Parts (one engine start each, or two for ``capped``; several, comma-separated, r
 e.g. ``--variant "L threads:ingress=threads"``.
 
 ``--step-trace`` saves, beside each run's result, every scheduler step vLLM reported while it ran
-(:class:`benchmarks.engines.StepTrace`), under ``"steps"``.
+(:class:`benchmarks.engines.StepTrace`), under ``"steps"``, each step's ``t`` in seconds from the
+run's start (the origin of its makespan; in files written up to the twenty-third session's
+variants pass, from before the arm's set-up). ``t`` is when the frontend's event loop read the
+step's stats: a loop busy tokenizing (B1, O) reads them late and in bunches.
 
 Arms are interleaved per repeat on one engine. B1 and O are driven exactly as the harness drives
 them at 4b29cb3 (the driver of bare arms did not change). ``--old DIR`` holds earlier commits'
@@ -163,7 +166,7 @@ async def _bench(trace: Any, engine: Any, variants: Sequence[tuple[str, str, Any
             elif how is not None:
                 kwargs["config"] = how
             path = (profile or {}).get(label)
-            t_start, cpu0 = time.monotonic(), cpu_times()
+            cpu0 = cpu_times()
             if path is not None and label not in profiled and repeat == repeats - 1:
                 profiled.add(label)
                 with _Profiler(path):
@@ -173,7 +176,7 @@ async def _bench(trace: Any, engine: Any, variants: Sequence[tuple[str, str, Any
             cpu_rows[label].append(cpu_delta(cpu0, cpu_times()))
             runs[label].append(run)
             if steps is not None:
-                step_rows[label].append(steps.since(t_start))
+                step_rows[label].append(steps.since(run.start))  # the engine clock is monotonic
             m = run.records
             done = sum(r.outcome == "completed" for r in m)
             print(f"  {trace.workload} {label} r{repeat}: {done}/{len(m)} done", flush=True)
