@@ -135,9 +135,9 @@ class GatewayConfig:
             to the engine that have not yet produced an output hold this many tokens the
             gateway predicts uncached (its mirror's prediction); each request's first output
             frees its share. ``None`` (the default): no pacing. vLLM takes each new request in
-            (decodes it, hashes every block of its prompt) in its engine core before the next
-            step; a burst handed over at once is taken in all together, between two steps,
-            instead of a few at a time while the GPU computes. The simulator with the H200
+            (its per-request work before it can schedule it) before its next step; a burst
+            handed over at once is taken in all together, holding that step back, instead of a
+            few at a time while the GPU computes. The simulator with the H200
             8B profile (W3 p=0, a burst of 384 prompts of 2,080 tokens, 16 shared prefixes)
             predicts that about two steps' worth of prefill (``2 * max_num_batched_tokens``,
             4096 there) turns L's 0.93 of bare vLLM's req/s into 1.15; not yet measured on a
