@@ -54,6 +54,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _port_free(port: int) -> bool:
+    """Whether nothing listens on ``port`` (any address): a bind as the servers bind (with
+    ``SO_REUSEADDR``, as uvicorn and ZMQ do) succeeds."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
+
+
 class VllmServers:
     """``n`` vLLM servers of one model on 127.0.0.1 (see the module).
 
@@ -186,12 +198,21 @@ class VllmServers:
             return ""
 
     def restart(self, i: int) -> None:
-        """Starts server ``i`` again on its port (after :meth:`kill`) and waits for ``/health``."""
+        """Starts server ``i`` again on its ports (after :meth:`kill`) and waits for ``/health``.
+
+        First waits (up to ``start_timeout``) until the killed server's processes have let go of
+        its ports: its engine core, which holds the KV events socket, can outlive the server
+        process by a moment on a busy machine, and a restart then failed with "Address already
+        in use"."""
         self.kill(i)
         port = int(self.urls[i].rsplit(":", 1)[1])
+        events_port = int(self.event_endpoints[i].rsplit(":", 1)[1]) if self.kv_events else None
+        replay_port = int(self.replay_endpoints[i].rsplit(":", 1)[1]) if self.kv_events else None
+        deadline = time.monotonic() + self.start_timeout
+        for p in (port, events_port, replay_port):
+            while p is not None and not _port_free(p) and time.monotonic() < deadline:
+                time.sleep(0.2)
         with open(self.logs[i], "ab") as out:
-            events_port = int(self.event_endpoints[i].rsplit(":", 1)[1]) if self.kv_events else None
-            replay_port = int(self.replay_endpoints[i].rsplit(":", 1)[1]) if self.kv_events else None
             self._procs[i] = subprocess.Popen(self.command(port, events_port, replay_port), stdout=out,
                                               stderr=subprocess.STDOUT, env=self._envs[i],
                                               start_new_session=True, preexec_fn=_die_with_parent)

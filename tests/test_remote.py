@@ -415,3 +415,19 @@ def test_pulled_stats_may_be_as_old_as_a_check_may_take():
     with pytest.raises(ValueError, match="metrics_interval"):
         RemoteVllm("http://x", None, model="m", block_size=16, num_blocks=100, max_model_len=512,
                    tokenizer=FakeEngine().tokenizer, metrics_interval=0)
+
+
+def test_a_restart_waits_for_a_port_still_held_by_the_killed_servers_processes():
+    """``VllmServers.restart`` starts a server again on its ports only once nothing listens on
+    them (a lingering engine core held the KV events port once and the restart failed)."""
+    import socket
+
+    from benchmarks.servers import _port_free
+
+    with socket.socket() as listener:  # what a ZMQ publisher on tcp://*:port holds
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("0.0.0.0", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert not _port_free(port)
+    assert _port_free(port)
