@@ -137,12 +137,13 @@ class GatewayConfig:
             frees its share. ``None`` (the default): no pacing. vLLM takes each new request in
             (its per-request work before it can schedule it) before its next step; a burst
             handed over at once is taken in all together, holding that step back, instead of a
-            few at a time while the GPU computes. The simulator with the H200
-            8B profile (W3 p=0, a burst of 384 prompts of 2,080 tokens, 16 shared prefixes)
-            predicts that about two steps' worth of prefill (``2 * max_num_batched_tokens``,
-            4096 there) turns L's 0.93 of bare vLLM's req/s into 1.15; not yet measured on a
-            GPU, so it is off by default. A single request always may go when nothing is
-            pending, however long its prompt.
+            few at a time while the GPU computes. The simulator with the H200 8B profile (W3
+            p=0, a burst of 384 prompts of 2,080 tokens, 16 shared prefixes) predicts that two
+            steps' worth of prefill (``2 * max_num_batched_tokens``, 4096 there) turns L's 0.93
+            of bare vLLM's req/s into 1.15, and four steps' worth into 1.12 (which costs nothing
+            on the 1B shape, where 4096 costs 2%); not yet measured on a GPU, so it is off by
+            default. A single request always may go when nothing is pending, however long its
+            prompt.
         kv_budget: Share of the engine's KV blocks that in-flight reservations may take. With
             ``G`` independent gateways in front of the same engines, give each ``1 / G``: each
             reserves against the whole cache, so together they over-commit it and the engine
