@@ -5,6 +5,10 @@ Runs ``benchmarks.scenarios``' scenario ``NAME`` once on the simulator's H200 8B
 so every L variant the scenario builds is paced.
 
     PYTHONPATH=src:. python benchmarks/results/pacing/default_on.py overload-short 8192
+
+``routing N ARGS...`` runs ``python -m benchmarks.routing ARGS...`` the same way (every gateway
+of every arm paced), e.g. ``default_on.py routing 8192 --replicas 4 --popularity zipf even
+--pair-even --repeats 1 --arms RR L``.
 """
 
 from __future__ import annotations
@@ -40,4 +44,10 @@ async def main(name: str, backlog: int) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "routing":
+        from benchmarks.routing import main as routing
+
+        if int(sys.argv[2]):
+            _default_backlog(int(sys.argv[2]))
+        sys.exit(routing(sys.argv[3:]))
     asyncio.run(main(sys.argv[1], int(sys.argv[2])))
