@@ -224,8 +224,7 @@ class Dispatcher:
             return False
         if scheduler.max_in_flight is not None and len(scheduler.running) >= scheduler.max_in_flight:
             return False
-        cap = scheduler.max_prefill_backlog
-        if cap is not None and scheduler.backlog >= cap:
+        if scheduler.backlog_full:
             return False
         admission = self.replica.admission
         return admission.fits(admission.need(ticket))

@@ -371,8 +371,7 @@ class Scheduler:
             self._forget_if_idle(self.tenants[ticket.tenant])
         elif ticket.state is TicketState.RUNNING:
             self.running.discard(ticket)
-            self.backlog -= ticket.backlog_tokens
-            ticket.backlog_tokens = 0
+            self._leave_backlog(ticket)
             state = self.tenants[ticket.tenant]
             state.running -= 1
             if state.queue is not None:
@@ -562,9 +561,17 @@ class Scheduler:
         (dispatch stopped on the backlog and tickets wait): then pump."""
         if not ticket.backlog_tokens:
             return False
+        self._leave_backlog(ticket)
+        return self.blocked is Reason.PREFILL_BACKLOG and self._waiting > 0
+
+    @property
+    def backlog_full(self) -> bool:
+        """Whether ``max_prefill_backlog`` stops dispatch now."""
+        return self.max_prefill_backlog is not None and self.backlog >= self.max_prefill_backlog
+
+    def _leave_backlog(self, ticket: Ticket) -> None:
         self.backlog -= ticket.backlog_tokens
         ticket.backlog_tokens = 0
-        return self.blocked is Reason.PREFILL_BACKLOG and self._waiting > 0
 
     def next_batch(self) -> list[Dispatch]:
         """Dispatches, in order, every ticket that may go now; reserves blocks, predicts hits.
@@ -581,7 +588,7 @@ class Scheduler:
             if self.max_in_flight is not None and len(self.running) >= self.max_in_flight:
                 self.blocked = Reason.MAX_IN_FLIGHT
                 break
-            if cap is not None and self.backlog >= cap:
+            if self.backlog_full:
                 self.blocked = Reason.PREFILL_BACKLOG
                 break
             choice = self._choose(now)
