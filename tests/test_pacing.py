@@ -1,5 +1,7 @@
 """Dispatch pacing (``GatewayConfig.max_prefill_backlog``): requests handed to the engine and not
-yet started hold at most that many prompt tokens to compute; each first output frees its share."""
+yet started hold at most that many prompt tokens to compute; each first output frees its share.
+By default (``prefill_backlog_steps``) the cap is four of the engine's steps' worth of tokens
+(``max_num_batched_tokens``), where the engine reports its step budget."""
 
 from __future__ import annotations
 
@@ -119,6 +121,54 @@ async def test_dispatch_now_refuses_while_the_backlog_is_full():
 def test_the_backlog_must_be_positive():
     with pytest.raises(ValueError, match="max_prefill_backlog"):
         GatewayConfig(max_prefill_backlog=0)
+    with pytest.raises(ValueError, match="prefill_backlog_steps"):
+        GatewayConfig(prefill_backlog_steps=0)
+
+
+async def burst(engine: FakeEngine, config: GatewayConfig, n: int = 8) -> tuple[Gateway, list[asyncio.Task]]:
+    gw = Gateway(engine, config)
+    tasks = [asyncio.create_task(drain(gw.generate(t, SP, request_id=f"r{i}")))
+             for i, t in enumerate(prompts(n, 40))]
+    await run_until_idle()
+    return gw, tasks
+
+
+async def test_by_default_the_backlog_is_four_engine_steps_of_prefill():
+    engine = FakeEngine(block_size=4, step=asyncio.Event(), max_num_batched_tokens=25)
+    gw, tasks = await burst(engine, GatewayConfig(ordering="fcfs"))
+    # 4 * 25 = 100 tokens: the third prompt of 40 takes the backlog to 120, then dispatch waits.
+    assert gw._scheduler.max_prefill_backlog == 100 and engine.started == ["r0", "r1", "r2"]
+    assert gw.statistics().blocked == "prefill_backlog"
+    engine.step.set()
+    assert all(len(r) == 2 for r in await asyncio.gather(*tasks))
+    assert gw._scheduler.backlog == 0
+
+
+@pytest.mark.parametrize(("step_tokens", "config", "started"), [
+    (25, GatewayConfig(ordering="fcfs", prefill_backlog_steps=None), 8),  # pacing off
+    (25, GatewayConfig(ordering="fcfs", prefill_backlog_steps=1.5), 1),  # 38 tokens: one goes alone
+    (25, GatewayConfig(ordering="fcfs", max_prefill_backlog=50), 2),  # an explicit cap wins
+    (None, GatewayConfig(ordering="fcfs"), 8),  # an engine without a step budget is not paced
+])
+async def test_the_default_backlog_follows_the_engine_and_the_config(step_tokens, config, started):
+    engine = FakeEngine(block_size=4, step=asyncio.Event(), max_num_batched_tokens=step_tokens)
+    _, tasks = await burst(engine, config)
+    assert len(engine.started) == started
+    engine.step.set()
+    assert all(len(r) == 2 for r in await asyncio.gather(*tasks))
+
+
+async def test_each_replica_is_paced_by_its_own_engines_step_budget():
+    engines = [FakeEngine(block_size=4, step=asyncio.Event(), max_num_batched_tokens=n) for n in (20, None)]
+    gw = Gateway(engines, GatewayConfig(ordering="fcfs", placement="round_robin"))
+    assert [u.scheduler.max_prefill_backlog for u in gw._router.units] == [80, None]
+    tasks = [asyncio.create_task(drain(gw.generate(t, SP, request_id=f"r{i}")))
+             for i, t in enumerate(prompts(8, 40))]
+    await run_until_idle()
+    assert [len(e.started) for e in engines] == [2, 4]
+    for e in engines:
+        e.step.set()
+    assert all(len(r) == 2 for r in await asyncio.gather(*tasks))
 
 
 async def test_each_replica_paces_its_own_backlog():

@@ -19,7 +19,7 @@ from prefixgate import (
     RateLimited,
 )
 from prefixgate.serve import METRICS, RetrySpread, ServeMetrics, create_app
-from prefixgate.serve.cli import config_fields, gateway_config, parse_args
+from prefixgate.serve.cli import config_fields, gateway_config, parse_args, vllm_args
 from prefixgate.serve.testing import running, sse_data
 from prefixgate.testing import FakeEngine
 
@@ -269,6 +269,21 @@ def test_gateway_config_from_flags_and_environment():
     assert options["kv_events"] == ["tcp://a:5557"]  # one per --replica; the flag wins
     assert parse_args([], {"PREFIXGATE_KV_EVENTS": "tcp://x:1,tcp://y:2"})[0]["kv_events"] == [
         "tcp://x:1", "tcp://y:2"]
+
+
+def test_engine_sizes_serve_reads_for_remotes_still_reach_an_in_process_vllm():
+    """``--max-num-seqs`` and ``--max-num-batched-tokens`` are serve's own flags (remote replicas
+    do not report them); in process they are vLLM's too and must not be swallowed."""
+    options, fields, engine_args = parse_args(
+        ["--model", "m", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+         "--prefill-backlog-steps", "2"], {"PREFIXGATE_MAX_NUM_BATCHED_TOKENS": "999"})
+    assert options["max_num_seqs"] == 8 and options["max_num_batched_tokens"] == 512  # the flag wins
+    assert vllm_args(options, engine_args) == ["--model", "m", "--max-num-seqs", "8",
+                                               "--max-num-batched-tokens", "512"]
+    assert gateway_config(fields).prefill_backlog_steps == 2.0
+    assert gateway_config({"prefill_backlog_steps": "none"}).prefill_backlog_steps is None
+    options, _, engine_args = parse_args(["--model", "m"], {})
+    assert vllm_args(options, engine_args) == ["--model", "m"]
 
 
 async def test_serve_refuses_kv_events_that_do_not_pair_with_the_replicas():

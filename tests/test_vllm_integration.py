@@ -146,6 +146,18 @@ async def test_paced_dispatch_holds_the_backlog_and_keeps_predictions_exact(vllm
     assert all(len(last.outputs[0].token_ids) == 4 for _, last in done)
 
 
+async def test_by_default_the_gateway_paces_at_four_of_vllms_steps(vllm_engine):
+    """The default pacing reads vLLM's own step budget (``scheduler_config``), and a gateway with
+    the default config over real vLLM caps its backlog at four steps' worth of tokens."""
+    step = vllm_engine.vllm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert vllm_engine.max_num_batched_tokens == step > 0
+    async with Gateway.for_vllm(vllm_engine, GatewayConfig(ingress="inline")) as gw:
+        assert gw._scheduler.max_prefill_backlog == 4 * step
+        await fresh(vllm_engine)
+        stream, last = await run(gw, "Hello, paced world.", "paced-default")
+        assert last.finished and stream.ticket.first_output_at is not None
+
+
 async def test_whitespace_noise_hit_rate_reaches_the_ceiling_only_through_prefixgate(vllm_engine):
     rng = random.Random(11)
     tok = vllm_engine.tokenizer

@@ -134,16 +134,20 @@ class GatewayConfig:
         max_prefill_backlog: Pacing, in prompt tokens: dispatch waits while the requests handed
             to the engine that have not yet produced an output hold this many tokens the
             gateway predicts uncached (its mirror's prediction); each request's first output
-            frees its share. ``None`` (the default): no pacing. vLLM takes each new request in
-            (its per-request work before it can schedule it) before its next step; a burst
-            handed over at once is taken in all together, holding that step back, instead of a
-            few at a time while the GPU computes. The simulator with the H200 8B profile (W3
-            p=0, a burst of 384 prompts of 2,080 tokens, 16 shared prefixes) predicts that two
-            steps' worth of prefill (``2 * max_num_batched_tokens``, 4096 there) turns L's 0.93
-            of bare vLLM's req/s into 1.15, and four steps' worth into 1.12 (which costs nothing
-            on the 1B shape, where 4096 costs 2%); not yet measured on a GPU, so it is off by
-            default. A single request always may go when nothing is pending, however long its
-            prompt.
+            frees its share. A single request always may go when nothing is pending, however
+            long its prompt. ``None`` (the default): ``prefill_backlog_steps`` decides. vLLM
+            takes each new request in (its per-request work before it can schedule it) before
+            its next step; a burst handed over at once is taken in all together, holding that
+            step back, instead of a few at a time while the GPU computes.
+        prefill_backlog_steps: The default pacing, used where ``max_prefill_backlog`` is
+            ``None``: this many engine steps' worth of prefill, ``prefill_backlog_steps *
+            max_num_batched_tokens`` tokens, per replica whose engine reports
+            ``max_num_batched_tokens`` (``VllmEngine`` and ``SimEngine`` do; ``RemoteVllm`` when
+            told); others are not paced. ``None``: no pacing. Measured on an H100 with vLLM
+            0.26 and a step budget of 2,048 tokens (8,192 at 4; medians of per-repeat ratios,
+            5 repeats): on the 8B shape, W3 without noise (a burst of 384 prompts of 2,080
+            tokens) read 1.24 / 1.19 times unpaced L's req/s in two passes, W1 1.13; on the 1B
+            shape 1.09 (2 steps and 8 read 0.93 / 0.94 there, within that run's spread).
         kv_budget: Share of the engine's KV blocks that in-flight reservations may take. With
             ``G`` independent gateways in front of the same engines, give each ``1 / G``: each
             reserves against the whole cache, so together they over-commit it and the engine
@@ -220,6 +224,7 @@ class GatewayConfig:
     default_tenant_limits: TenantLimits = field(default_factory=TenantLimits)
     max_in_flight: int | None = None
     max_prefill_backlog: int | None = None
+    prefill_backlog_steps: float | None = 4.0
     kv_budget: float = 1.0
     output_reserve: float = 1.0
     default_output_tokens: int | None = None
@@ -248,8 +253,8 @@ class GatewayConfig:
         for name in ("ingress_min_chars", "ingress_max_pending", "ingress_bulk_chars"):
             _check(name, getattr(self, name) >= 1, getattr(self, name), ">= 1")
         _check("max_queue_len", self.max_queue_len >= 1, self.max_queue_len, ">= 1")
-        for name in ("max_in_flight", "max_prefill_backlog", "max_prompt_tokens", "queue_timeout",
-                     "max_queue_wait", "stall_timeout"):
+        for name in ("max_in_flight", "max_prefill_backlog", "prefill_backlog_steps", "max_prompt_tokens",
+                     "queue_timeout", "max_queue_wait", "stall_timeout"):
             value = getattr(self, name)
             _check(name, value is None or value > 0, value, "positive or None")
         _check("max_wait_factor", self.max_wait_factor >= 1, self.max_wait_factor, ">= 1")

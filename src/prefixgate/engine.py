@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 from .errors import InvalidRequest
 
 __all__ = ["Completion", "Engine", "EngineRequest", "KvStats", "Media", "SamplingCheck", "Tokenizer",
-           "check_max_tokens", "completion_reader", "engine_slots", "read_completion"]
+           "check_max_tokens", "completion_reader", "engine_slots", "engine_step_tokens", "read_completion"]
 
 
 @runtime_checkable
@@ -202,6 +202,11 @@ class Engine(Protocol):
     own (``None``), and without ``completion`` outputs are read as vLLM ``RequestOutput`` objects by
     :func:`read_completion`. :func:`engine_slots` and :func:`completion_reader` apply these
     defaults; ``isinstance(engine, Engine)`` is true only for engines that have both.
+
+    One more attribute is read if present, and is not part of the protocol:
+    ``max_num_batched_tokens``, the most tokens one engine step schedules (vLLM's chunked-prefill
+    budget), or ``None``; :func:`engine_step_tokens` reads it. It sizes the default dispatch
+    pacing (``GatewayConfig.prefill_backlog_steps``); without it the gateway does not pace.
     """
 
     @property
@@ -307,6 +312,13 @@ class Engine(Protocol):
 def engine_slots(engine: Engine) -> int | None:
     """``engine.max_num_seqs``, or ``None`` for an engine without it."""
     return getattr(engine, "max_num_seqs", None)
+
+
+def engine_step_tokens(engine: Engine) -> int | None:
+    """``engine.max_num_batched_tokens`` (tokens one step schedules), or ``None`` for an engine
+    without it."""
+    value = getattr(engine, "max_num_batched_tokens", None)
+    return int(value) if value else None
 
 
 def completion_reader(engine: Engine) -> Callable[[Any, Any], Completion | None]:

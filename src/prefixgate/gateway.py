@@ -32,7 +32,7 @@ from .canonicalize import CanonicalizeConfig
 from .clock import Clock, MonotonicClock
 from .config import GatewayConfig
 from .dispatch import ABORT_TIMEOUT, Dispatcher
-from .engine import Engine
+from .engine import Engine, engine_step_tokens
 from .errors import InvalidRequest, PrefixgateError, UsageError
 from .ingress import Ingress, IngressRequest, Prompt
 from .ingress_pool import IngressPool, IngressPoolError, ProcessIngressPool, ThreadIngressPool
@@ -143,13 +143,17 @@ class Gateway:
             # exactly max_num_seqs cost W1 a quarter of its throughput). The KV ledger still
             # holds back whatever would not fit, which is where ordering pays.
             max_in_flight = 2 * replica.slots
+        backlog = config.max_prefill_backlog
+        step_tokens = engine_step_tokens(engine)
+        if backlog is None and config.prefill_backlog_steps is not None and step_tokens:
+            backlog = max(1, round(config.prefill_backlog_steps * step_tokens))
         scheduler = Scheduler(
             make_policy(config.ordering), admission=replica.admission, mirror=replica.mirror,
             clock=self.clock, max_queue_len=config.max_queue_len, max_in_flight=max_in_flight,
             max_wait_factor=config.max_wait_factor, min_aging_wait=config.min_aging_wait,
             tenant_limits=dict(config.tenants), default_limits=config.default_tenant_limits,
             share_base=replica.slots, tenant_order=config.tenant_order,
-            prefer_resident=config.prefer_resident, max_prefill_backlog=config.max_prefill_backlog)
+            prefer_resident=config.prefer_resident, max_prefill_backlog=backlog)
         return replica, scheduler
 
     @classmethod

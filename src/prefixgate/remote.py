@@ -107,6 +107,8 @@ class RemoteVllm:
         max_model_len: The longest sequence the server accepts.
         tokenizer: The model's tokenizer.
         max_num_seqs: The server's ``--max-num-seqs``, if known (sizes the gateway's window).
+        max_num_batched_tokens: The server's ``--max-num-batched-tokens``, if known (sizes the
+            gateway's default dispatch pacing).
         clock: Timestamps KV stats.
         metrics_interval: Seconds between scrapes of ``/health`` and ``/metrics``.
         unhealthy_after: Failed checks in a row after which the server counts as unhealthy.
@@ -115,8 +117,8 @@ class RemoteVllm:
 
     def __init__(self, url: str, client: Any, *, model: str, block_size: int, num_blocks: int,
                  max_model_len: int, tokenizer: Tokenizer, max_num_seqs: int | None = None,
-                 clock: Clock | None = None, metrics_interval: float = 0.25,
-                 unhealthy_after: int = 2, timeout: float = 10.0) -> None:
+                 max_num_batched_tokens: int | None = None, clock: Clock | None = None,
+                 metrics_interval: float = 0.25, unhealthy_after: int = 2, timeout: float = 10.0) -> None:
         if metrics_interval <= 0:
             raise ValueError(f"metrics_interval must be positive, got {metrics_interval!r}")
         if unhealthy_after < 1:
@@ -129,6 +131,7 @@ class RemoteVllm:
         self._max_model_len = max_model_len
         self._tokenizer = tokenizer
         self._max_num_seqs = max_num_seqs
+        self._step_tokens = max_num_batched_tokens
         self._clock = clock or MonotonicClock()
         self.metrics_interval = metrics_interval
         self.unhealthy_after = unhealthy_after
@@ -158,7 +161,8 @@ class RemoteVllm:
 
     @classmethod
     async def connect(cls, url: str, *, tokenizer: Any = None, model: str | None = None,
-                      max_num_seqs: int | None = None, api_key: str | None = None,
+                      max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                      api_key: str | None = None,
                       timeout: float = 10.0, metrics_interval: float = 0.25, unhealthy_after: int = 2,
                       clock: Clock | None = None, kv_events: str | None = None,
                       kv_events_topic: str = "", kv_events_replay: str | None = None) -> RemoteVllm:
@@ -172,6 +176,9 @@ class RemoteVllm:
             model: Which served model to use; the server's first when ``None``.
             max_num_seqs: The server's ``--max-num-seqs`` (the server does not report it);
                 ``None`` leaves the gateway's in-flight window unbounded by it.
+            max_num_batched_tokens: The server's ``--max-num-batched-tokens`` (not reported
+                either); sizes ``GatewayConfig.prefill_backlog_steps``' pacing, which is off for
+                this server when ``None``.
             api_key: Sent as a bearer token (vLLM's ``--api-key``).
             timeout: Seconds to connect, and for every call but streams' reads.
             metrics_interval: Seconds between health checks and ``/metrics`` scrapes.
@@ -237,7 +244,8 @@ class RemoteVllm:
         engine = cls(url, client, model=card["id"], block_size=int(config["block_size"]),
                      num_blocks=max(0, int(config["num_gpu_blocks"]) - 1),
                      max_model_len=int(card.get("max_model_len") or 0) or 2 ** 31,
-                     tokenizer=tokenizer, max_num_seqs=max_num_seqs, clock=clock,
+                     tokenizer=tokenizer, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max_num_batched_tokens, clock=clock,
                      metrics_interval=metrics_interval, unhealthy_after=unhealthy_after, timeout=timeout)
         engine._record(parse_metrics(metrics.text), engine._clock.now())
         engine._monitor = asyncio.ensure_future(engine._watch())
@@ -383,6 +391,10 @@ class RemoteVllm:
     @property
     def max_num_seqs(self) -> int | None:
         return self._max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int | None:
+        return self._step_tokens
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -104,8 +104,10 @@ class FakeEngine:
     ``output_time`` seconds on ``clock`` if both are set, else for ``step`` (an
     ``asyncio.Event`` tests can hold), else yields to the loop once. ``max_num_seqs`` is only
     reported (the gateway sizes its window and counts the engine's backlog from it); the fake
-    runs every request at once. A request's media are kept (``requests``) but not keyed: the
-    toy cache sees only tokens (the faithful keying is :class:`prefixgate.sim.SimEngine`'s).
+    runs every request at once. So is ``max_num_batched_tokens`` (it sizes the default dispatch
+    pacing; ``None``, the default, leaves a gateway over the fake unpaced). A request's media are
+    kept (``requests``) but not keyed: the toy cache sees only tokens (the faithful keying is
+    :class:`prefixgate.sim.SimEngine`'s).
 
     Attributes:
         running: Request ids currently generating.
@@ -123,6 +125,7 @@ class FakeEngine:
     max_model_len: int = 4096
     model_name: str = "fake-model"
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
     step: asyncio.Event | None = None
     clock: Clock | None = None

@@ -192,6 +192,7 @@ class VllmEngine:
         self._num_blocks = max(0, int(cfg.cache_config.num_gpu_blocks or 0) - 1)
         self._max_model_len = int(cfg.model_config.max_model_len)
         self._max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
+        self._step_tokens = int(cfg.scheduler_config.max_num_batched_tokens)
         self._model_name = str(cfg.model_config.served_model_name or cfg.model_config.model)
         self._multimodal = bool(getattr(cfg.model_config, "is_multimodal_model", False))
         self._connector: Any = None
@@ -273,6 +274,12 @@ class VllmEngine:
     def max_num_seqs(self) -> int:
         """The most requests vLLM runs at once (the gateway's default in-flight window)."""
         return self._max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The most tokens vLLM schedules in one step (its chunked-prefill budget; sizes the
+        gateway's default dispatch pacing)."""
+        return self._step_tokens
 
     @property
     def tokenizer(self) -> Tokenizer:

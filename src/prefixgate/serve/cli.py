@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import GatewayConfig
 
-__all__ = ["config_fields", "gateway_config", "main", "parse_args"]
+__all__ = ["config_fields", "gateway_config", "main", "parse_args", "vllm_args"]
 
 _ENV = "PREFIXGATE_"
 _NONE = ("", "none", "null")
@@ -92,7 +92,11 @@ def _parser() -> argparse.ArgumentParser:
                        "again for batches lost on the way")
     serve.add_argument("--tokenizer", default=None, help="local tokenizer for remote replicas")
     serve.add_argument("--max-num-seqs", type=int, default=None,
-                       help="each remote replica's max_num_seqs (sizes its in-flight window)")
+                       help="each remote replica's --max-num-seqs (sizes its in-flight window); "
+                       "in process, passed on to vLLM")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="each remote replica's --max-num-batched-tokens (sizes the default "
+                       "dispatch pacing, prefill_backlog_steps); in process, passed on to vLLM")
     serve.add_argument("--served-model-name", default=None, help="model name clients send")
     serve.add_argument("--tenant-header", default=None, help="header naming the tenant")
     serve.add_argument("--min-retry-after", type=float, default=None, help="least Retry-After (s)")
@@ -106,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
 _SERVE_DEFAULTS: dict[str, Any] = {"host": "127.0.0.1", "port": 8000, "replica": [], "kv_events": [],
                                    "kv_events_replay": [],
                                    "tokenizer": None,
-                                   "max_num_seqs": None, "served_model_name": None,
+                                   "max_num_seqs": None, "max_num_batched_tokens": None,
+                                   "served_model_name": None,
                                    "tenant_header": "x-prefixgate-tenant", "min_retry_after": 0.1,
                                    "log_level": "info"}
 
@@ -141,6 +146,16 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None
         if value is not None:
             fields[name] = value
     return options, fields, engine_args
+
+
+def vllm_args(options: Mapping[str, Any], engine_args: Sequence[str]) -> list[str]:
+    """The in-process engine's vLLM arguments: ``engine_args`` plus the flags serve reads itself
+    (for remote replicas) and vLLM takes too, ``--max-num-seqs`` and ``--max-num-batched-tokens``."""
+    out = list(engine_args)
+    for key in ("max_num_seqs", "max_num_batched_tokens"):
+        if options[key] is not None:
+            out += ["--" + key.replace("_", "-"), str(options[key])]
+    return out
 
 
 def gateway_config(fields: Mapping[str, str]) -> GatewayConfig:
@@ -178,8 +193,9 @@ async def _engines(options: Mapping[str, Any], engine_args: Sequence[str]) -> tu
         events = options["kv_events"] or [None] * len(options["replica"])
         replays = options["kv_events_replay"] or [None] * len(options["replica"])
         remotes = [await RemoteVllm.connect(url, tokenizer=options["tokenizer"],
-                                            max_num_seqs=options["max_num_seqs"], kv_events=endpoint,
-                                            kv_events_replay=replay)
+                                            max_num_seqs=options["max_num_seqs"],
+                                            max_num_batched_tokens=options["max_num_batched_tokens"],
+                                            kv_events=endpoint, kv_events_replay=replay)
                    for url, endpoint, replay in zip(options["replica"], events, replays, strict=True)]
 
         async def stop_remote() -> None:
@@ -193,7 +209,7 @@ async def _engines(options: Mapping[str, Any], engine_args: Sequence[str]) -> tu
     from ..vllm_engine import VllmEngine
 
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="prefixgate serve (vLLM engine)"))  # type: ignore[no-untyped-call]
-    args = AsyncEngineArgs.from_cli_args(parser.parse_args(list(engine_args)))
+    args = AsyncEngineArgs.from_cli_args(parser.parse_args(vllm_args(options, engine_args)))
     engine = VllmEngine.from_engine_args(args)
 
     async def stop_local() -> None:

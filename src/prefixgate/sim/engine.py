@@ -301,6 +301,11 @@ class SimEngine:
         return self._core.max_num_seqs
 
     @property
+    def max_num_batched_tokens(self) -> int:
+        """The most tokens one step schedules (the chunked-prefill budget)."""
+        return self._core.max_num_batched_tokens
+
+    @property
     def max_model_len(self) -> int:
         return self._core.max_model_len
 
