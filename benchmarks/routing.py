@@ -361,9 +361,10 @@ COST_OPTIONS: dict[str, Any] = {}
 ``--cost-stream-margin``)."""
 
 
-PAIR_PREFER_RESIDENT = False
-"""``GatewayConfig.prefer_resident`` of each of the two independent gateways (``False``, as it
-advises for several gateways; ``--pair-prefer-resident``: the default, ``True``)."""
+PAIR_PREFER_RESIDENT: bool | None = None
+"""``GatewayConfig.prefer_resident`` of each of the two independent gateways; ``None``: as it
+advises for several gateways, ``True`` where the engines' cache events are followed, else
+``False`` (``--pair-prefer-resident on|off`` sets it)."""
 
 PAIR_KV_BUDGET = 0.5
 """``GatewayConfig.kv_budget`` of each of the two independent gateways (half the cache each, as
@@ -389,8 +390,9 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
     """Two independent gateways over the same engines, each sent every other request of the
     (shuffled) trace at once (or evenly over ``spread`` seconds): where each put each prefix
     group, and the hit rate of the pair. Each places as :func:`_policy` advises for several
-    gateways (``L``: ``stream_margin`` 2) and queues with ``prefer_resident`` off and half the
-    KV budget (:data:`PAIR_PREFER_RESIDENT`, :data:`PAIR_KV_BUDGET`)."""
+    gateways (``L``: ``stream_margin`` 2) and queues with ``prefer_resident`` off (on where the
+    engines' cache events are followed) and half the KV budget (:data:`PAIR_PREFER_RESIDENT`,
+    :data:`PAIR_KV_BUDGET`)."""
     from prefixgate import Gateway, GatewayConfig
 
     engines, clock = await pool.get()
@@ -402,7 +404,8 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
     outs: list[Any] = []
     errors: collections.Counter[str] = collections.Counter()
     start = clock.now()
-    configs = [GatewayConfig(placement=r, prefer_resident=PAIR_PREFER_RESIDENT, kv_budget=PAIR_KV_BUDGET)
+    resident = pool.cache_events if PAIR_PREFER_RESIDENT is None else PAIR_PREFER_RESIDENT
+    configs = [GatewayConfig(placement=r, prefer_resident=resident, kv_budget=PAIR_KV_BUDGET)
                for r in recorders]
     async with Gateway(engines, configs[0], clock=clock) as a, Gateway(engines, configs[1], clock=clock) as b:
         async def through(k: int, i: int, req: Any) -> None:
@@ -646,15 +649,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="L: CostPlacement(stream_margin=...), what new prefixes placed as they come "
                    "may exceed the even bound by (default: cold_margin for one gateway, 2 for each of the "
                    "two-gateway runs)")
-    p.add_argument("--pair-prefer-resident", action="store_true",
-                   help="the two-gateway runs queue with GatewayConfig(prefer_resident=True), one "
-                   "gateway's default (default: False, as advised for several gateways)")
+    p.add_argument("--pair-prefer-resident", choices=["on", "off"], nargs="?", const="on", default=None,
+                   help="the two-gateway runs queue with GatewayConfig(prefer_resident=...) (default: "
+                   "as advised for several gateways, on with --cache-events, else off)")
     p.add_argument("--pair-kv-budget", type=float, default=0.5,
                    help="the two-gateway runs queue with GatewayConfig(kv_budget=...) (default: 0.5, "
                    "half the cache each, as advised for several gateways; 1.0: one gateway's default)")
     args = p.parse_args(argv)
     global PAIR_PREFER_RESIDENT, PAIR_KV_BUDGET
-    PAIR_PREFER_RESIDENT = args.pair_prefer_resident
+    PAIR_PREFER_RESIDENT = None if args.pair_prefer_resident is None else args.pair_prefer_resident == "on"
     PAIR_KV_BUDGET = args.pair_kv_budget
     COST_OPTIONS.clear()
     if args.cost_epsilon is not None:

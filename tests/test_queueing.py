@@ -91,6 +91,56 @@ async def test_with_prefer_resident_off_the_walk_alone_decides():
     assert (await resident_order(True, "topic"))[1] == "hot" != walk[1]  # the preference would go to it
 
 
+async def test_a_prefix_the_engine_reports_stored_after_its_request_arrived_goes_next():
+    """Another gateway's request loaded a prefix (the mirror learns it from the engine's cache
+    events) that a request here, queued cold behind more than the oldest few, shares: it goes
+    at the next group end, not when the walk comes to it; the watch on it is dropped once
+    nothing waits."""
+    engine = FakeEngine(block_size=4, step=asyncio.Event())
+    gw = Gateway(engine, GatewayConfig(ordering="prefix", max_in_flight=1, min_aging_wait=60),
+                 clock=FakeClock())
+    gw._scheduler.mirror.followed = True  # as a CacheFollower sets it (the fake publishes no events)
+    blocker = asyncio.create_task(drain(gw.generate("blocker " * 3, SP, request_id="blocker")))
+    await run_until_idle()
+    rest = [asyncio.create_task(drain(gw.generate(f"aaa topic {i} " * 6, SP, request_id=f"cold{i}")))
+            for i in range(12)]
+    rest.append(asyncio.create_task(drain(gw.generate("zzz shared doc " * 4 + "question", SP,
+                                                      request_id="hot"))))
+    await run_until_idle()
+    hot = gw._live["hot"]
+    assert gw._scheduler._watch  # queued cold: watched
+    gw._scheduler.mirror.learn(None, hot.block_hashes[:hot.cacheable_blocks])  # as a cache event
+    engine.step.set()
+    await asyncio.gather(blocker, *rest)
+    assert engine.started[:2] == ["blocker", "hot"]  # the walk alone would take it last ("zzz")
+    assert gw._scheduler._watch == {}
+
+
+async def test_the_watch_forgets_requests_that_leave_unlearned():
+    engine = FakeEngine(block_size=4, step=asyncio.Event())
+    gw = Gateway(engine, GatewayConfig(ordering="prefix", max_in_flight=1), clock=FakeClock())
+    gw._scheduler.mirror.followed = True
+    tasks = [asyncio.create_task(drain(gw.generate(f"doc {i} " * 6, SP, request_id=f"r{i}")))
+             for i in range(4)]
+    await run_until_idle()
+    assert sum(len(w) for w in gw._scheduler._watch.values()) == 3  # the first went at once
+    tasks[2].cancel()
+    await run_until_idle()
+    assert sum(len(w) for w in gw._scheduler._watch.values()) == 2
+    engine.step.set()
+    await asyncio.gather(*tasks[:2], tasks[3])
+    assert gw._scheduler._watch == {}
+    off = Gateway(FakeEngine(block_size=4), GatewayConfig(prefer_resident=False))
+    assert off._scheduler.mirror.learned == []  # nothing to watch for
+    unfollowed = Gateway(FakeEngine(block_size=4, step=asyncio.Event()), GatewayConfig(max_in_flight=1))
+    left = [asyncio.create_task(drain(unfollowed.generate(f"doc {i} " * 6, SP))) for i in range(3)]
+    await run_until_idle()
+    assert unfollowed._scheduler._watch == {}  # without cache events the mirror cannot learn
+    for t in left:
+        t.cancel()
+    await run_until_idle()
+
+
 async def test_a_sibling_that_joins_after_its_group_was_left_goes_at_the_next_group_end():
     """The walk left the resident group (another group started since); a sibling that joins
     then, newer than the oldest few waiting, still goes first when a group ends: it would

@@ -130,6 +130,7 @@ class CacheFollower:
         if block_size < 1 or limit < 1:
             raise ValueError(f"CacheFollower needs block_size >= 1 and limit >= 1, got {block_size}, {limit}")
         self.mirror = mirror
+        mirror.followed = True
         self.block_size = block_size
         self.root_for = root_for
         self.limit = limit

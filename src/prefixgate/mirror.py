@@ -65,6 +65,13 @@ class PrefixMirror:
         self._now = 0
         self._rebuild_at = 4096
         self.evictions = 0
+        self.followed = False
+        """Whether a :class:`~prefixgate.cache_events.CacheFollower` keeps this mirror in step
+        with the engine's cache events (set by the follower)."""
+        self.learned: list[Callable[[Sequence[BlockHash]], None]] = []
+        """Called with the keys of every chain :meth:`learn` marks resident (what the engine
+        reported it stored): a scheduler over this mirror hears of prefixes another gateway's
+        requests loaded."""
 
     def __len__(self) -> int:
         return self._tree.size
@@ -97,7 +104,13 @@ class PrefixMirror:
         not resident (its chain is unknown)."""
         if parent is None:
             self.insert(keys)
-            return True
+        elif not self._learn_after(parent, keys):
+            return False
+        for listener in self.learned:
+            listener(keys)
+        return True
+
+    def _learn_after(self, parent: BlockHash, keys: Sequence[BlockHash]) -> bool:
         run = self._tree.index.get(parent)
         if run is None:
             return False

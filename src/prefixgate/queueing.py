@@ -34,8 +34,9 @@ How a ticket is chosen, in order:
 4. **Policy.** The policy's smallest key, or for a *circular* policy (``prefix``) the next key
    after the last one dispatched, wrapping around: the queue is sorted by block-hash chain, so
    siblings that share a prefix are adjacent and dispatched together. When a circular policy
-   finishes a group it prefers, among the oldest few tickets, one whose prefix is resident in
-   the engine (per the mirror).
+   finishes a group it prefers, among the oldest few tickets and those whose prefix was
+   resident when they arrived or that the engine reported stored since (the mirror learning
+   it from cache events), one whose prefix is resident in the engine (per the mirror).
 5. **Window.** The chosen ticket is dispatched only if its KV blocks fit (see admission.py),
    fewer than ``max_in_flight`` requests are running and, with ``max_prefill_backlog`` set, the
    tickets dispatched but not yet started hold fewer prompt tokens to compute than that;
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,7 +219,8 @@ class Scheduler:
         tenant_order: ``"fair"`` or ``"global"`` (see :data:`TENANT_ORDERS`).
         prefer_resident: Under a circular policy, when a group ends, prefer a waiting ticket
             whose prefix the engine holds (per the mirror) to the walk's next one (see
-            :meth:`_pick`); ``False``: the walk alone.
+            :meth:`_pick`; a ticket whose prefix the mirror learns from cache events while it
+            waits becomes a candidate); ``False``: the walk alone.
         max_prefill_backlog: Dispatch stops while the tickets dispatched and not yet started
             (no output yet) hold this many prompt tokens the mirror predicts uncached (their
             :attr:`backlog`); ``None``: no such cap. One ticket always may go when none holds
@@ -273,6 +275,13 @@ class Scheduler:
         self._sorted_waits: SortedList = SortedList()  # recent waits of tickets that waited
         self.newest_dispatched_arrival = float("-inf")
         self.aged_dispatches = 0
+        # Waiting tickets whose prefix was not resident when they arrived, by the key of the half
+        # of it that makes them warm: when the engine reports it stored that block (the mirror
+        # learns it from cache events: another gateway's request loaded it) they turn warm. Only
+        # while the mirror follows the engine's events (nothing else makes it learn).
+        self._watch: dict[Any, dict[Ticket, None]] = {}
+        if self.prefer_resident:
+            mirror.learned.append(self._learned)
         self.blocked: Reason | None = None
         self.failed: list[tuple[Ticket, Exception]] = []
 
@@ -349,6 +358,8 @@ class Scheduler:
         queue = state.queue
         half = (ticket.cacheable_blocks + 1) // 2
         warm = self.prefer_resident and half > 0 and self.mirror.holds(ticket.block_hashes[half - 1])
+        if self.prefer_resident and not warm and half > 0 and self.mirror.followed:
+            self._watch.setdefault(ticket.block_hashes[half - 1], {})[ticket] = None
         if queue is None:
             queue = state.queue = self._spare.pop() if self._spare else WaitingQueue(self.policy)
             self._queued_tenants += 1
@@ -387,6 +398,14 @@ class Scheduler:
         state = self.tenants[ticket.tenant]
         queue = state.queue
         assert queue is not None
+        half = (ticket.cacheable_blocks + 1) // 2
+        if self._watch and half:
+            key = ticket.block_hashes[half - 1]
+            watched = self._watch.get(key)
+            if watched is not None:
+                watched.pop(ticket, None)
+                if not watched:
+                    del self._watch[key]
         head = self.global_order and queue.first() is ticket
         queue.remove(ticket)
         self._waiting -= 1
@@ -486,6 +505,20 @@ class Scheduler:
         if half and half <= len(last) and ticket.block_hashes[half - 1] == last[half - 1]:
             return ticket
         return None
+
+    def _learned(self, keys: Sequence[Any]) -> None:
+        """The mirror learned that the engine stored ``keys``: the waiting tickets watching one
+        of them (see ``_watch``) turn warm, so :meth:`_pick` considers them when a group ends."""
+        watch = self._watch
+        if not watch:
+            return
+        for key in keys:
+            tickets = watch.pop(key, None)
+            if tickets:
+                for ticket in tickets:
+                    queue = self.tenants[ticket.tenant].queue
+                    if ticket.state is TicketState.QUEUED and queue is not None:
+                        queue.warm.append(ticket)
 
     def _pick(self, state: _Tenant, queue: WaitingQueue) -> Ticket:
         """A group ended: the walk's next ticket, unless another has more of its prefix resident
