@@ -398,14 +398,13 @@ class Scheduler:
         state = self.tenants[ticket.tenant]
         queue = state.queue
         assert queue is not None
-        half = (ticket.cacheable_blocks + 1) // 2
-        if self._watch and half:
-            key = ticket.block_hashes[half - 1]
-            watched = self._watch.get(key)
+        if self._watch:
+            half = (ticket.cacheable_blocks + 1) // 2
+            watched = self._watch.get(ticket.block_hashes[half - 1]) if half else None
             if watched is not None:
                 watched.pop(ticket, None)
                 if not watched:
-                    del self._watch[key]
+                    del self._watch[ticket.block_hashes[half - 1]]
         head = self.global_order and queue.first() is ticket
         queue.remove(ticket)
         self._waiting -= 1
