@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from prefixgate import Gateway, GatewayConfig, KvStats, Overloaded
 from prefixgate.admission import Admission, BlockLedger
+from prefixgate.chains import ChainRefs
 from prefixgate.clock import FakeClock
 from prefixgate.testing import FakeEngine, FakeSamplingParams, run_until_idle
 
@@ -94,10 +95,22 @@ class LedgerMachine(RuleBasedStateMachine):
         assert self.ledger.reserved == self._model_reserved(self.model)
         assert 0 <= self.ledger.free <= self.capacity and len(self.ledger) == len(self.model)
         held = {key for keys, _ in self.model.values() for key in keys}
-        assert set(self.ledger._tree.index) == held  # the key index is exact
+        assert set(self.ledger._shared._tree.index) == held  # the key index is exact
 
 
 TestLedger = LedgerMachine.TestCase
+
+
+def test_chain_refs_hold_each_key_once_until_the_last_chain_through_it_is_released():
+    refs = ChainRefs()
+    assert refs.hold("a", "abcd") == 4 and refs.hold("b", "abxy") == 2 and refs.hold("c", "") == 0
+    assert refs.size == 6 and len(refs) == 3 and "a" in refs
+    assert refs.held("abcz") == 3 and refs.held("qx") == 0  # keys stand for their prefix
+    with pytest.raises(ValueError, match="already holds"):
+        refs.hold("a", "ab")
+    assert refs.release("a") == 2 and refs.held("abcd") == 2 and refs.held("abxy") == 4
+    assert refs.release("a") == 0 and refs.release("c") == 0  # released, or held nothing
+    assert refs.release("b") == 4 and refs.size == 0 and len(refs) == 0
 
 
 class _Req:

@@ -445,6 +445,31 @@ async def test_a_burst_of_one_prefix_counts_its_prefill_once_in_the_pending_work
     assert all(0 < s < prompt_tokens // 2 for s in steps[1:])  # the rest only past the shared prefix
 
 
+async def test_a_prefix_whose_requests_still_wait_stays_expected_however_many_prefixes_follow():
+    # Twelve prefixes (13 blocks each) placed on one replica whose cache holds 64 blocks: by
+    # recency alone the first prefix would be forgotten once five more were placed, and its
+    # late request would look cold there (two gateways then split its group). Its first
+    # request has not ended, so its chain stays expected; once every request ends, nothing is held.
+    seen: list[tuple[int, int, int]] = []  # (load, blocks of its chain expected, of its chain)
+
+    class First:
+        def place(self, ticket, replicas):
+            state = replicas[0]
+            chain = ticket.block_hashes[:ticket.cacheable_blocks]
+            seen.append((state.load, state.placed_chains.match(chain), len(chain)))
+            return 0
+
+    clock, engines = sims(2, num_blocks=64)
+    prompts = group_prompts(12, 2)[:13]  # every group's first request, then group 0's second
+    async with Gateway(engines, GatewayConfig(placement=First()), clock=clock) as gw:
+        await asyncio.gather(*(drain(gw.generate(p, SP)) for p in prompts))
+        state = gw._router.units[0].state
+        assert len(state.placed_refs) == 0 and state.placed_refs.size == 0
+    load, expected, blocks = seen[-1]
+    assert load == 12  # none had ended: they all still wait (or run) there
+    assert blocks * 12 > 64 and expected >= 13  # the shared prefix (its own question aside)
+
+
 async def test_replicas_must_serve_one_model_with_one_block_size():
     clock = SimClock()
     a = SimEngine(block_size=16, clock=clock, tokenizer=ByteTokenizer())

@@ -17,7 +17,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
-from .chains import ChainTree, Run
+from .chains import ChainRefs
 from .clock import Clock
 from .engine import KvStats
 from .errors import Reason, RequestTooLarge
@@ -42,8 +42,8 @@ class BlockLedger:
     ledger counts as free, which is how preemption storms start.
 
     Shared keys are whole-prefix keys (see keys.py), so the held blocks form a tree of chains,
-    kept as a radix tree (:class:`~prefixgate.chains.ChainTree`) whose runs count the
-    reservations passing through them: reserving walks the chain (a binary search per run) and
+    counted by :class:`~prefixgate.chains.ChainRefs` (a radix tree whose runs count the
+    reservations passing through them): reserving walks the chain (a binary search per run) and
     adds one run at most; releasing walks back up the reservation's few runs and drops those no
     one passes through any more, whatever their length.
 
@@ -66,8 +66,8 @@ class BlockLedger:
         self.capacity = capacity
         self.overcommit = overcommit
         self.reserved = 0
-        self._held: dict[int, tuple[Run | None, int, int]] = {}  # id -> (last run, shared, private)
-        self._tree = ChainTree()
+        self._held: dict[int, tuple[int, int]] = {}  # id -> (shared, private)
+        self._shared = ChainRefs()
 
     @property
     def free(self) -> int:
@@ -77,25 +77,25 @@ class BlockLedger:
     @property
     def shared_blocks(self) -> int:
         """Distinct shared blocks held now."""
-        return self._tree.size
+        return self._shared.size
 
     def __len__(self) -> int:
         return len(self._held)
 
     def holds(self, ticket: Ticket) -> int:
         """Blocks ``ticket`` uses, shared ones included (0 if it holds no reservation)."""
-        _, shared, private = self._held.get(id(ticket), (None, 0, 0))
+        shared, private = self._held.get(id(ticket), (0, 0))
         return shared + private
 
     def held(self, keys: Sequence[Hashable]) -> int:
         """How many leading ``keys`` (consecutive whole-prefix keys: a chain or a run of one)
         reservations hold. Pure."""
-        return self._tree.match(keys)[0]
+        return self._shared.held(keys)
 
     def need(self, shared: Sequence[Hashable], private: int) -> int:
         """Blocks a reservation of ``shared`` keys (a chain of whole-prefix keys) and
         ``private`` blocks would add now. Pure."""
-        return len(shared) - self._tree.match(shared)[0] + private
+        return len(shared) - self._shared.held(shared) + private
 
     def can_reserve(self, blocks: int) -> bool:
         """Whether ``blocks`` more would fit (the overcommit included). Pure."""
@@ -113,47 +113,28 @@ class BlockLedger:
             raise ValueError(f"{ticket.request_id} already holds {self.holds(ticket)} blocks")
         if private < 0:
             raise ValueError(f"private blocks must be >= 0, got {private}")
-        matched = self._tree.match(shared)
+        matched = self._shared.match(shared)
         added = len(shared) - matched[0] + private
         if not self.can_reserve(added):
             raise ValueError(f"cannot reserve {added} blocks with {self.free} free")
-        _, tip = self._tree.add(shared, matched)
-        if tip is not None:
-            tip.ends += 1
-            run: Run | None = tip
-            while run is not None:
-                run.ref += 1
-                run = run.parent
-        self._held[id(ticket)] = (tip, len(shared), private)
+        self._shared.hold(id(ticket), shared, matched)
+        self._held[id(ticket)] = (len(shared), private)
         self.reserved += added
         return added
 
     def release(self, ticket: Ticket) -> int:
         """Releases ``ticket``'s reservation; returns how many blocks came free (0 if it held
         none; shared blocks other tickets still hold stay reserved)."""
-        tip, _, private = self._held.pop(id(ticket), (None, 0, 0))
-        freed = private
-        if tip is not None:
-            tree = self._tree
-            tip.ends -= 1
-            survivor = None
-            run: Run | None = tip
-            while run is not None:
-                run.ref -= 1
-                parent = run.parent
-                if run.ref == 0:  # no reservation passes through: nor through its kids
-                    freed += tree.remove(run)
-                elif survivor is None:
-                    survivor = run
-                run = parent
-            if survivor is not None:  # it lost a kid or a chain end: keep the tree compact
-                tree.merge(survivor)
+        held = self._held.pop(id(ticket), None)
+        if held is None:
+            return 0
+        freed = held[1] + self._shared.release(id(ticket))
         self.reserved -= freed
         return freed
 
     def __repr__(self) -> str:
         return (f"BlockLedger(reserved={self.reserved}, free={self.free}, tickets={len(self._held)}, "
-                f"shared={self._tree.size})")
+                f"shared={self._shared.size})")
 
 
 class DrainRate:

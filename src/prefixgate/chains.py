@@ -9,8 +9,9 @@ whatever the tree's depth (siblings that fork at many places along one prefix ma
 adding a chain creates at most one run and splits at most one; dropping a run drops all its keys
 at once. Index updates are C-level bulk operations; nothing costs a Python step per key.
 
-Pure and synchronous; callers own any counters (the ledger's references, the mirror's recency)
-kept on the runs.
+:class:`ChainRefs` counts the chains owners hold on such a tree (the ledger's shared blocks, the
+chains of the requests placed on a replica). Pure and synchronous; the mirror keeps its recency
+on the runs itself.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from itertools import repeat
 
-__all__ = ["ChainTree", "Run"]
+__all__ = ["ChainRefs", "ChainTree", "Run"]
 
 
 class Run:
@@ -30,8 +31,8 @@ class Run:
         start: Position of the first key in every chain through this run.
         parent: The run holding position ``start - 1``, or ``None`` at the root.
         kids: Runs continuing this one, by their first key.
-        ref: The ledger's count of reservations whose chain passes through (or ends in) the run.
-        ends: The ledger's count of reservations whose chain ends at the run's last key.
+        ref: :class:`ChainRefs`' count of held chains that pass through (or end in) the run.
+        ends: :class:`ChainRefs`' count of held chains that end at the run's last key.
         stamp: The mirror's recency: when a chain through it was last used.
         alive: Whether the run is still in its tree.
     """
@@ -174,3 +175,85 @@ class ChainTree:
 
     def __repr__(self) -> str:
         return f"ChainTree(keys={self.size}, roots={len(self.roots)})"
+
+
+class ChainRefs:
+    """Chains held by owners, each key kept once however many held chains pass through it, and
+    dropped when the last of them is released.
+
+    Holding walks the chain (a binary search per run) and adds one run at most; releasing walks
+    back up the owner's few runs and drops those no held chain passes through any more, whatever
+    their length.
+
+    Invariant: ``size`` is the number of distinct keys some held chain passes through; every run's
+    ``ref`` counts the held chains through it; an owner holds at most one chain.
+    """
+
+    def __init__(self) -> None:
+        self._tree = ChainTree()
+        self._tips: dict[Hashable, Run | None] = {}  # owner -> the run its chain ends at
+
+    @property
+    def size(self) -> int:
+        """Distinct keys held now."""
+        return self._tree.size
+
+    def __len__(self) -> int:
+        return len(self._tips)
+
+    def __contains__(self, owner: Hashable) -> bool:
+        return owner in self._tips
+
+    def match(self, chain: Sequence[Hashable]) -> tuple[int, Run | None]:
+        """How many leading keys of ``chain`` are held, and the run holding the last of them
+        (see :meth:`ChainTree.match`). Pure."""
+        return self._tree.match(chain)
+
+    def held(self, keys: Sequence[Hashable]) -> int:
+        """How many leading ``keys`` (consecutive whole-prefix keys: a chain or a run of one)
+        held chains pass through. Pure."""
+        return self._tree.match(keys)[0]
+
+    def hold(self, owner: Hashable, chain: Sequence[Hashable],
+             matched: tuple[int, Run | None] | None = None) -> int:
+        """Holds ``chain`` for ``owner``; returns how many of its keys were not held before.
+        ``matched`` is :meth:`match`'s result for ``chain``, if the caller has it.
+
+        Raises:
+            ValueError: If ``owner`` already holds a chain.
+        """
+        if owner in self._tips:
+            raise ValueError(f"{owner!r} already holds a chain")
+        added, tip = self._tree.add(chain, matched)
+        if tip is not None:
+            tip.ends += 1
+            run: Run | None = tip
+            while run is not None:
+                run.ref += 1
+                run = run.parent
+        self._tips[owner] = tip
+        return added
+
+    def release(self, owner: Hashable) -> int:
+        """Releases ``owner``'s chain; returns how many keys no held chain passes through any
+        more (0 if it held none, or only keys other chains still hold)."""
+        tip = self._tips.pop(owner, None)
+        if tip is None:
+            return 0
+        tree, freed, survivor = self._tree, 0, None
+        tip.ends -= 1
+        run: Run | None = tip
+        while run is not None:
+            run.ref -= 1
+            parent = run.parent
+            if run.ref == 0:  # no held chain passes through: nor through its kids
+                freed += tree.remove(run)
+            elif survivor is None:
+                survivor = run
+            run = parent
+        if survivor is not None:  # it lost a kid or a chain end: keep the tree compact
+            tree.merge(survivor)
+        return freed
+
+    def __repr__(self) -> str:
+        return f"ChainRefs(owners={len(self._tips)}, keys={self._tree.size})"

@@ -54,6 +54,7 @@ from typing import Protocol, runtime_checkable
 
 import xxhash
 
+from .chains import ChainRefs
 from .keys import pack_tokens
 from .mirror import PrefixMirror
 from .tickets import Ticket
@@ -79,12 +80,20 @@ class ReplicaState:
         block_size: Its KV block size in tokens.
         placed: Requests placed on it so far.
         placed_chains: The block chains of the requests placed on it lately, most recent kept
-            (as many blocks as its cache holds): what its cache will hold once they run, which
-            its mirror learns only as they are dispatched.
+            (as many blocks as its cache holds, and beyond that every chain of a request placed
+            there that has not ended): what its cache will hold once they run, which its mirror
+            learns only as they are dispatched. A chain whose requests still wait there is kept
+            however many newer prefixes were placed since: its requests run together (the
+            queue groups them), so a request that joins them hits. Evicting it by recency alone
+            made a burst of more prefixes than the cache holds forget where the first ones
+            went, and their late requests spilled to another replica (on the simulated W5 with
+            two gateways, 5 of 384 groups over 6 seeds split that way, against 2 kept).
+        placed_refs: The chains of the requests placed on it that have not ended, each held by
+            its ticket (:class:`~prefixgate.chains.ChainRefs`; the router holds and releases them).
     """
 
     __slots__ = ("alive", "block_size", "index", "load", "mirror", "name", "pending_tokens", "placed",
-                 "placed_chains")
+                 "placed_chains", "placed_refs")
 
     def __init__(self, index: int, name: str, mirror: PrefixMirror, block_size: int) -> None:
         self.index = index
@@ -95,7 +104,8 @@ class ReplicaState:
         self.mirror = mirror
         self.block_size = block_size
         self.placed = 0
-        self.placed_chains = PrefixMirror(mirror.capacity)
+        self.placed_refs = ChainRefs()
+        self.placed_chains = PrefixMirror(mirror.capacity, in_use=self.placed_refs.held)
 
     def hit_tokens(self, ticket: Ticket) -> int:
         """Prompt tokens of ``ticket`` its cache is predicted to hold now."""

@@ -159,6 +159,7 @@ class Router:
         # prefills per replica, with imbalance 1.16.)
         pending = ticket.num_prompt_tokens - state.expected_hit_tokens(ticket)
         self._placed[ticket] = (unit, pending)
+        state.placed_refs.hold(id(ticket), ticket.block_hashes)
         state.placed_chains.insert(ticket.block_hashes)
         state.load += 1
         state.pending_tokens += pending
@@ -168,6 +169,7 @@ class Router:
         placed = self._placed.pop(ticket, None)
         if placed is not None:
             unit, pending = placed
+            unit.state.placed_refs.release(id(ticket))
             unit.state.load -= 1
             unit.state.pending_tokens -= pending
         if self._pool and not self._saturated():
