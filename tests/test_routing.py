@@ -26,11 +26,12 @@ from prefixgate import (
     Ticket,
     block_hashes,
 )
+from prefixgate.clock import FakeClock
 from prefixgate.keys import cacheable_blocks
 from prefixgate.mirror import PrefixMirror
 from prefixgate.placement import make_placement, prefix_key
 from prefixgate.sim import SimClock, SimEngine
-from prefixgate.testing import ByteTokenizer, FakeEngine, FakeSamplingParams
+from prefixgate.testing import ByteTokenizer, FakeEngine, FakeSamplingParams, run_until_idle
 
 SP = FakeSamplingParams(max_tokens=2)
 
@@ -468,6 +469,42 @@ async def test_a_prefix_whose_requests_still_wait_stays_expected_however_many_pr
     load, expected, blocks = seen[-1]
     assert load == 12  # none had ended: they all still wait (or run) there
     assert blocks * 12 > 64 and expected >= 13  # the shared prefix (its own question aside)
+
+
+class ZeroUnlessOneHolds:
+    """Replica 0, unless replica 1's cache holds some of the prompt."""
+
+    def place(self, ticket, replicas):
+        return 1 if replicas[1].hit_tokens(ticket) else 0
+
+
+@pytest.mark.parametrize("move", [True, False])
+async def test_a_request_waiting_cold_moves_where_another_replica_reports_its_prefix_stored(move):
+    engines = [FakeEngine(block_size=4, step=asyncio.Event()) for _ in range(2)]
+    config = GatewayConfig(placement=ZeroUnlessOneHolds(), max_in_flight=1, move_to_stored=move)
+    gw = Gateway(engines, config, clock=FakeClock())
+    units = gw._router.units
+    for unit in units:
+        unit.state.mirror.followed = True  # as a CacheFollower sets it (the fake publishes no events)
+    blocker = asyncio.create_task(drain(gw.generate("blocker " * 3, SP, request_id="blocker")))
+    await run_until_idle()
+    hot = asyncio.create_task(drain(gw.generate("shared doc " * 6 + "question", SP, request_id="hot")))
+    await run_until_idle()
+    ticket = gw._live["hot"]
+    assert units[0].scheduler.watched and engines[0].started == ["blocker"]  # waits cold on 0
+    # Another gateway's request loaded the prefix on replica 1: its engine reports it stored.
+    units[1].state.mirror.learn(None, ticket.block_hashes[:ticket.cacheable_blocks])
+    await run_until_idle()
+    assert engines[1].started == (["hot"] if move else [])
+    for engine in engines:
+        engine.step.set()
+    outs = await asyncio.gather(blocker, hot)
+    stats = gw.statistics()
+    await gw.aclose()
+    assert all(o[-1].finished for o in outs) and engines[0].started == ["blocker"] + ([] if move else ["hot"])
+    assert stats.moved == int(move) and stats.replaced == 0
+    assert stats.requests == stats.completed == 2 and dict(stats.outcomes) == {"completed": 2}
+    assert not units[0].scheduler.watched
 
 
 async def test_replicas_must_serve_one_model_with_one_block_size():

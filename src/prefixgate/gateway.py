@@ -113,7 +113,8 @@ class Gateway:
             policy = make_placement(config.placement, epsilon=config.placement_epsilon,
                                     margin=config.placement_margin,
                                     route_prefix_tokens=config.route_prefix_tokens)
-            self._router = self._dispatch = Router(units, policy, stats=self._stats, live=first.live)
+            self._router = self._dispatch = Router(units, policy, stats=self._stats, live=first.live,
+                                                  move_to_stored=config.move_to_stored)
         self._live = self._dispatch.live  # request ids of streams not yet ended
         self._replicas = [u.replica for u in self._router.units] if self._router else [self._replica]
         # Engines that publish their cache events keep the mirrors true; what they cached under a

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,6 +286,17 @@ class Scheduler:
         self.failed: list[tuple[Ticket, Exception]] = []
 
     # -- bookkeeping ------------------------------------------------------------------------
+
+    @property
+    def has_room(self) -> bool:
+        """Whether one more request may wait (:meth:`enqueue` would not raise ``QueueFull``)."""
+        return self._waiting + self.outside < self.max_queue_len
+
+    @property
+    def watched(self) -> Mapping[Any, Mapping[Ticket, None]]:
+        """The cold waiting tickets by the key of their prefix's first half, while the mirror
+        follows cache events and ``prefer_resident`` (see :meth:`_learned`). Read-only."""
+        return self._watch
 
     @property
     def num_waiting(self) -> int:

@@ -29,6 +29,7 @@ streaming from it ends with ``EngineDead``, as with one engine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import statistics
 from collections.abc import AsyncGenerator, Sequence
@@ -36,13 +37,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .dispatch import Dispatcher
-from .errors import EngineDead, PrefixgateError, ShuttingDown
+from .errors import EngineDead, EngineError, PrefixgateError, ShuttingDown
 from .placement import PlacementPolicy, ReplicaState
 from .queueing import Scheduler
 from .replica import Replica
 from .statistics import ReplicaStatistics, StatsRecorder
 from .streaming import ResponseStream
-from .tickets import Ticket
+from .tickets import Ticket, TicketState
 
 __all__ = ["Router", "Unit"]
 
@@ -50,6 +51,11 @@ log = logging.getLogger(__name__)
 
 _POOL_LIMIT = 4096
 """Requests held back to be placed at most at once; past it, requests are placed as they come."""
+
+
+class _Moved(EngineError):
+    """A waiting request goes back to placement (:meth:`Router._stored`); caught by
+    :meth:`Router.serve`, so never a request's outcome (an ``EngineError`` if it ever were)."""
 
 
 @dataclass(slots=True)
@@ -78,10 +84,12 @@ class Router:
         policy: Chooses a replica for each request.
         stats: The gateway's counters.
         live: The request ids of live streams (the dispatchers' shared dict).
+        move_to_stored: Place a request waiting cold on one replica again when another
+            replica's engine reports its prefix stored (see ``GatewayConfig.move_to_stored``).
     """
 
     def __init__(self, units: Sequence[Unit], policy: PlacementPolicy, *, stats: StatsRecorder,
-                 live: dict[str, Ticket | None]) -> None:
+                 live: dict[str, Ticket | None], move_to_stored: bool = False) -> None:
         if not units:
             raise ValueError("a router needs at least one replica")
         self.units = list(units)
@@ -103,6 +111,30 @@ class Router:
         self._pool_last = 0.0
         for unit in self.units:
             unit.dispatcher.on_release = self._unplace
+            if move_to_stored and len(self.units) > 1:
+                unit.state.mirror.learned.append(functools.partial(self._stored, unit))
+
+    def _stored(self, where: Unit, keys: Sequence[Any]) -> None:
+        """``where``'s engine reported it stored ``keys`` (its mirror learned them). The
+        requests waiting cold on another live replica whose prefix's first half is one of them,
+        where nothing of it is cached or running, go back to placement (see
+        :meth:`serve`), which now finds them warm on ``where``; not while closing, nor while
+        ``where``'s queue is full."""
+        if self.closing or not where.scheduler.has_room:
+            return
+        for unit in self.units:
+            if unit is where or not unit.state.alive:
+                continue
+            watched = unit.scheduler.watched
+            if not watched:
+                continue
+            for key in keys:
+                tickets = watched.get(key)
+                if not tickets or unit.state.mirror.holds(key) or unit.replica.admission.ledger.held((key,)):
+                    continue
+                for ticket in list(tickets):  # failing one dequeues it (and unwatches it)
+                    if ticket.state is TicketState.QUEUED:
+                        unit.dispatcher.fail(ticket, _Moved(f"{ticket.request_id} is placed again"))
 
     @property
     def closing(self) -> bool:
@@ -290,14 +322,20 @@ class Router:
                     started = True
                     yield out
                 return
+            except _Moved:
+                if started or self.closing:
+                    raise
+                moved = True
             except EngineDead:
                 if started or unit.replica.dead is None or self.closing or not self._refresh():
                     raise
+                moved = False
             finally:
                 await outputs.aclose()
-            # Its replica died before answering it: the same request, on another replica.
+            # Its replica died before answering it, or it was moved (see _stored): the same
+            # request, placed again.
             fresh = ticket.requeued()
-            self.stats.replace(ticket)
+            self.stats.replace(ticket, moved=moved)
             stream._prepared(fresh)
             self.live[fresh.request_id] = fresh
             try:

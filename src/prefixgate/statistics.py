@@ -83,6 +83,8 @@ class GatewayStatistics:
             the first replica's that is blocked).
         replaced: Requests placed again on another replica because theirs died before their
             first output (each is counted once in ``requests`` and ``outcomes``).
+        moved: Requests placed again while they waited, because another replica's engine
+            reported their prefix stored (``GatewayConfig.move_to_stored``; counted once too).
         blocked: Why the scheduler last stopped dispatching (a :class:`~prefixgate.errors.Reason`),
             or ``None``.
     """
@@ -106,6 +108,7 @@ class GatewayStatistics:
     blocked: Reason | None = None
     replicas: tuple[ReplicaStatistics, ...] = ()
     replaced: int = 0
+    moved: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -133,6 +136,7 @@ class StatsRecorder:
         self.predicted_hit_tokens = 0
         self.engine_cached_tokens = 0
         self.replaced = 0
+        self.moved = 0
 
     def refuse(self, outcome: Outcome, reason: Reason | str | None = None) -> None:
         self.refused[outcome.value] += 1
@@ -153,10 +157,14 @@ class StatsRecorder:
                 row[2] += count.chars_changed
                 row[3] += count.chars_removed
 
-    def replace(self, ticket: Ticket) -> None:
-        """Un-counts ``ticket``, accepted and ended (its replica died before dispatching it),
-        as the request goes on as another ticket, which will be counted."""
-        self.replaced += 1
+    def replace(self, ticket: Ticket, moved: bool = False) -> None:
+        """Un-counts ``ticket``, accepted and ended (its replica died before dispatching it, or
+        ``moved`` while it waited), as the request goes on as another ticket, which will be
+        counted."""
+        if moved:
+            self.moved += 1
+        else:
+            self.replaced += 1
         self.requests -= 1
         if ticket.outcome is not None:
             self.outcomes[ticket.outcome.value] -= 1
@@ -193,7 +201,7 @@ class StatsRecorder:
             engine_cached_tokens=self.engine_cached_tokens, kv=kv,
             rejected_reasons=MappingProxyType(dict(self.reasons)), reserved_blocks=reserved_blocks,
             median_wait=median_wait, aged_dispatches=aged_dispatches, blocked=blocked,
-            replicas=replicas, replaced=self.replaced,
+            replicas=replicas, replaced=self.replaced, moved=self.moved,
         )
 
     def __repr__(self) -> str:

@@ -41,6 +41,7 @@ METRICS: dict[str, str] = {
     "prefixgate_reserved_kv_blocks": "KV blocks reserved by running requests now.",
     "prefixgate_aged_dispatches_total": "Dispatches forced by the aging bound.",
     "prefixgate_replaced_total": "Requests placed again: their replica died before their first output.",
+    "prefixgate_moved_total": "Requests placed again while waiting: another replica stored their prefix.",
     "prefixgate_queue_wait_seconds": "Seconds from arrival to dispatch, per served request.",
     "prefixgate_time_to_first_token_seconds": "Seconds from an HTTP request to its first output.",
     "prefixgate_tenant_in_flight": "HTTP requests in flight per tenant (beyond max_tenants: '_other').",
@@ -97,7 +98,8 @@ class _GatewayCollector:
         for short, value in (("prompt_tokens", s.prompt_tokens),
                              ("predicted_hit_tokens", s.predicted_hit_tokens),
                              ("engine_cached_tokens", s.engine_cached_tokens),
-                             ("aged_dispatches", s.aged_dispatches), ("replaced", s.replaced)):
+                             ("aged_dispatches", s.aged_dispatches), ("replaced", s.replaced),
+                             ("moved", s.moved)):
             name = f"prefixgate_{short}"
             yield CounterMetricFamily(name, METRICS[name + "_total"], value=value)
         for short, value in (("queue_depth", s.queued), ("running", s.running),
