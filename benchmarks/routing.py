@@ -422,6 +422,7 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
             where[req.group][side][recorders[side].placed[rid]] += 1
 
         await asyncio.gather(*(through(k, i, req) for k, (i, req) in enumerate(requests)))
+        moved = a.statistics().moved + b.statistics().moved
     prompt = sum(len(r.prompt_token_ids) for r in outs)
     cached = sum(int(r.num_cached_tokens or 0) for r in outs)
     both = [(ca, cb) for ca, cb in where.values() if ca and cb]
@@ -439,7 +440,7 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
     if errors:
         print(f"pair ({arm}): {sum(errors.values())} requests failed: {dict(errors)}", flush=True)
     return {"hit_rate": cached / prompt, "req_per_s": len(outs) / (clock.now() - start),
-            "errors": sum(errors.values()), "groups_seen_by_both": len(both),
+            "errors": sum(errors.values()), "moved": moved, "groups_seen_by_both": len(both),
             "agreement": sum(o * n for o, n in zip(overlap, sizes, strict=True)) / sum(sizes),
             "groups_agreeing_95": sum(o >= 0.95 for o in overlap) / len(both),
             "modal_share": sum(m * n for m, n in zip(modal, sizes, strict=True)) / sum(sizes),
@@ -523,7 +524,7 @@ def format_table(cases: Sequence[dict[str, Any]]) -> str:
             lines.append(f"{'':>8} {'':<10} two gateways ({arm}): hit {pr['hit_rate']:.3f} "
                          f"({pr['hit_rate_vs_one']:.3f} of one's), placements alike {pr['agreement']:.2f} "
                          f"(groups alike >= 95%: {pr['groups_agreeing_95']:.2f}), "
-                         f"on the group's main replica {pr['modal_share']:.2f}")
+                         f"on the group's main replica {pr['modal_share']:.2f}, moved {pr['moved']:.0f}")
     return "\n".join(lines)
 
 
