@@ -86,8 +86,9 @@ class ReplicaState:
             however many newer prefixes were placed since: its requests run together (the
             queue groups them), so a request that joins them hits. Evicting it by recency alone
             made a burst of more prefixes than the cache holds forget where the first ones
-            went, and their late requests spilled to another replica (on the simulated W5 with
-            two gateways, 5 of 384 groups over 6 seeds split that way, against 2 kept).
+            went, and their late requests spilled to another replica (the simulated W5, two
+            gateways in a burst, caches 0.73 of a share: 5 of 384 groups split over 6 seeds, 2
+            with these chains kept).
         placed_refs: The chains of the requests placed on it that have not ended, each held by
             its ticket (:class:`~prefixgate.chains.ChainRefs`; the router holds and releases them).
     """
