@@ -23,6 +23,7 @@ from prefixgate import (
     ReplicaState,
     RoundRobin,
     ShuttingDown,
+    TenantLimits,
     Ticket,
     block_hashes,
 )
@@ -478,10 +479,28 @@ class ZeroUnlessOneHolds:
         return 1 if replicas[1].hit_tokens(ticket) else 0
 
 
+class Counting:
+    """An admission policy that admits everything and counts its calls per request id."""
+
+    def __init__(self) -> None:
+        self.checks: collections.Counter[str] = collections.Counter()
+        self.releases: collections.Counter[str] = collections.Counter()
+
+    def check(self, ticket, now):
+        self.checks[ticket.request_id] += 1
+
+    def release(self, ticket, usage, now):
+        self.releases[ticket.request_id] += 1
+
+
 @pytest.mark.parametrize("move", [True, False])
 async def test_a_request_waiting_cold_moves_where_another_replica_reports_its_prefix_stored(move):
     engines = [FakeEngine(block_size=4, step=asyncio.Event()) for _ in range(2)]
-    config = GatewayConfig(placement=ZeroUnlessOneHolds(), max_in_flight=1, move_to_stored=move)
+    policy = Counting()
+    # Its tenant may send exactly these two requests: a move is no third.
+    config = GatewayConfig(placement=ZeroUnlessOneHolds(), max_in_flight=1, move_to_stored=move,
+                           admission_policy=policy,
+                           default_tenant_limits=TenantLimits(rate=0.001, burst=2, on_limit="refuse"))
     gw = Gateway(engines, config, clock=FakeClock())
     units = gw._router.units
     for unit in units:
@@ -505,6 +524,9 @@ async def test_a_request_waiting_cold_moves_where_another_replica_reports_its_pr
     assert stats.moved == int(move) and stats.replaced == 0
     assert stats.requests == stats.completed == 2 and dict(stats.outcomes) == {"completed": 2}
     assert not units[0].scheduler.watched
+    # The policy was asked once per request and told once, moved or not.
+    assert policy.checks == policy.releases == {"blocker": 1, "hot": 1}
+    assert not gw._router.gate.admitted and not gw._router.gate.held
 
 
 async def test_replicas_must_serve_one_model_with_one_block_size():
@@ -548,6 +570,44 @@ async def test_a_dead_replicas_waiting_requests_complete_on_another_and_its_stre
         gw2._router.units[0].replica.mark_dead(EngineDead("gone"))
         out = await drain(gw2.generate("after", SP))
     assert out[-1].finished
+
+
+@pytest.mark.parametrize("on_limit", ["refuse", "wait"])
+async def test_a_request_placed_again_after_its_replica_died_keeps_its_admission(on_limit):
+    # Its tenant may send exactly four requests; the three placed again are no more.
+    policy = Counting()
+    config = GatewayConfig(placement=FirstAlive(), max_in_flight=1, admission_policy=policy,
+                           queue_timeout=5.0,
+                           tenants={"acme": TenantLimits(rate=0.001, burst=4, on_limit=on_limit)})
+    async with Gateway([FakeEngine(die_after=1), FakeEngine()], config) as gw:
+        streams = [gw.generate(f"request number {i}", FakeSamplingParams(max_tokens=3), tenant="acme")
+                   for i in range(4)]
+        results = await asyncio.gather(*(drain(s) for s in streams), return_exceptions=True)
+        stats = gw.statistics()
+        gate = gw._router.gate
+        assert not gate.admitted and not gate.held
+    assert isinstance(results[0], EngineDead)
+    assert all(isinstance(r, list) and r[-1].finished for r in results[1:])
+    assert stats.replaced == 3 and dict(stats.outcomes) == {"completed": 3, "engine_error": 1}
+    ids = [s.request_id for s in streams]
+    assert policy.checks == policy.releases == dict.fromkeys(ids, 1)
+
+
+async def test_a_held_admission_is_settled_when_the_request_is_not_placed_again():
+    # Replica 0 dies before answering anything, with requests waiting, and replica 1 is gone:
+    # nothing can be placed again, and the policy is still told of each request once.
+    policy = Counting()
+    gw = Gateway([FakeEngine(die_after=0), FakeEngine()],
+                 GatewayConfig(placement=FirstAlive(), max_in_flight=1, admission_policy=policy))
+    router = gw._router
+    router.units[1].replica.mark_dead(EngineDead("gone"))
+    results = await asyncio.gather(*(drain(gw.generate(f"request number {i}", SP)) for i in range(3)),
+                                   return_exceptions=True)
+    await gw.aclose()
+    assert all(isinstance(r, EngineDead) for r in results), results
+    assert not router.gate.admitted and not router.gate.held
+    assert len(policy.checks) == 3 and policy.checks == policy.releases
+    assert set(policy.releases.values()) == {1}
 
 
 async def test_when_every_replica_is_dead_requests_are_refused():

@@ -98,6 +98,9 @@ class Dispatcher:
                           if throttles is None else throttles)
         self.on_release: Callable[[Ticket], None] | None = None
         """Called with each ticket as it ends (the router's placement bookkeeping)."""
+        self.holds_admission: Callable[[Ticket], bool] | None = None
+        """Whether an ending ticket's admission is held for it to be placed again (the router's
+        failover and moves; see :meth:`AdmissionGate.hold`) rather than released now."""
         self.shedder = LoadShedder(scheduler, replica.admission, slots=replica.slots,
                                    max_queue_wait=config.max_queue_wait)
         self._pump_scheduled = False
@@ -146,14 +149,15 @@ class Dispatcher:
                                "for its tenant's rate")
         acquire.result()
 
-    async def admit(self, ticket: Ticket) -> None:
+    async def admit(self, ticket: Ticket, *, again: bool = False) -> None:
         """Consults the admission policy, rate-limits, load-checks and queues ``ticket`` (the
-        blocking path)."""
+        blocking path). ``again``: the request was admitted once and is placed again (see
+        :meth:`AdmissionGate.hand_over`): neither the policy nor its tenant's rate is asked again."""
         try:
             self.check_open()
-            if self.gate is not None:
+            if self.gate is not None and not (again and ticket in self.gate.admitted):
                 self.gate.check(ticket)
-            throttle = self.throttles.get(ticket.tenant)
+            throttle = None if again else self.throttles.get(ticket.tenant)
             if throttle is not None and not throttle.try_acquire():
                 if self.throttles.limits(ticket.tenant).on_limit == "refuse":
                     raise RateLimited(f"tenant {ticket.tenant!r} is over its request rate",
@@ -461,7 +465,10 @@ class Dispatcher:
         scheduler.finish(ticket)
         self.stats.end(ticket)
         if self.gate is not None:
-            self.gate.release(ticket)
+            if self.holds_admission is not None and self.holds_admission(ticket):
+                self.gate.hold(ticket)
+            else:
+                self.gate.release(ticket)
         if self.on_release is not None:
             self.on_release(ticket)
         if not scheduler.running:

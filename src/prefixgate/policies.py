@@ -226,8 +226,15 @@ class AdmissionGate:
     """Runs a gateway's :class:`AdmissionPolicy`: raises its refusals as ``AdmissionRefused``
     and its failures as ``AdmissionPolicyFailed``, and releases each admitted ticket once.
 
+    A request placed again on another replica (its replica died before answering it, or it
+    moved where its prefix is stored) is still the same request: its ticket's admission is
+    *held* when the old ticket ends (:meth:`hold`) and *handed over* to the new ticket
+    (:meth:`hand_over`), so the policy is consulted once and told once, whichever replica
+    serves it; :meth:`release` settles a held ticket that is not placed again.
+
     Invariant: ``admitted`` holds exactly the tickets the policy admitted that have not been
-    released (bounded by the gateway's live requests).
+    released (bounded by the gateway's live requests); ``held`` is a subset of it, of tickets
+    that ended and wait to be handed over or released.
 
     Args:
         policy: The policy.
@@ -238,6 +245,7 @@ class AdmissionGate:
         self.policy = policy
         self.clock = clock
         self.admitted: set[Ticket] = set()
+        self.held: set[Ticket] = set()
 
     def check(self, ticket: Ticket) -> None:
         """Admits ``ticket`` or raises.
@@ -262,11 +270,28 @@ class AdmissionGate:
         raise AdmissionRefused(refusal.message or f"refused by {name}: {refusal.reason}",
                                retry_after=refusal.retry_after, reason=refusal.reason)
 
+    def hold(self, ticket: Ticket) -> None:
+        """Keeps ``ticket``'s admission past its end, until :meth:`hand_over` or
+        :meth:`release`: it ended to be placed again."""
+        if ticket in self.admitted:
+            self.held.add(ticket)
+
+    def hand_over(self, old: Ticket, new: Ticket) -> bool:
+        """Moves ``old``'s admission to ``new`` (the same request placed again), telling the
+        policy nothing; whether ``old`` was admitted (``new`` then needs no :meth:`check`)."""
+        if old not in self.admitted:
+            return False
+        self.admitted.discard(old)
+        self.held.discard(old)
+        self.admitted.add(new)
+        return True
+
     def release(self, ticket: Ticket) -> None:
         """Reports ``ticket``'s usage to the policy if it admitted it and was not told yet."""
         if ticket not in self.admitted:
             return
         self.admitted.discard(ticket)
+        self.held.discard(ticket)
         output = (len(ticket.output_token_ids) if ticket.outcome is Outcome.COMPLETED
                   and ticket.output_token_ids else None)
         outcome = ticket.outcome or getattr(ticket.failure, "outcome", None) or Outcome.CANCELLED
@@ -280,4 +305,4 @@ class AdmissionGate:
                           type(self.policy).__name__, ticket.request_id)
 
     def __repr__(self) -> str:
-        return f"AdmissionGate({self.policy!r}, admitted={len(self.admitted)})"
+        return f"AdmissionGate({self.policy!r}, admitted={len(self.admitted)}, held={len(self.held)})"

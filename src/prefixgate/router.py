@@ -23,7 +23,10 @@ while held leaves nothing behind; one let go by the close meets the close like a
 Failover: a dead replica is skipped by placement from then on. A request it had given no output
 yet when it died (waiting in its queue, or in the engine before its first token) is placed again
 on a live one, its arrival kept so aging still sees how long it waited; a request already
-streaming from it ends with ``EngineDead``, as with one engine.
+streaming from it ends with ``EngineDead``, as with one engine. A request placed again (failover,
+or a move: ``GatewayConfig.move_to_stored``) keeps the admission it had: the admission policy is
+not asked again nor told of the first ticket (it hears of the request once, when it ends), and
+its tenant's rate is not charged again; the new replica's queue bounds and load shedding apply.
 """
 
 from __future__ import annotations
@@ -109,8 +112,11 @@ class Router:
         self.defer_quiet = float(getattr(policy, "defer_quiet", 0.01))
         self._pool_since = 0.0
         self._pool_last = 0.0
+        self.gate = self.units[0].dispatcher.gate
         for unit in self.units:
             unit.dispatcher.on_release = self._unplace
+            if len(self.units) > 1:
+                unit.dispatcher.holds_admission = self._may_place_again
             if move_to_stored and len(self.units) > 1:
                 unit.state.mirror.learned.append(functools.partial(self._stored, unit))
 
@@ -135,6 +141,14 @@ class Router:
                 for ticket in list(tickets):  # failing one dequeues it (and unwatches it)
                     if ticket.state is TicketState.QUEUED:
                         unit.dispatcher.fail(ticket, _Moved(f"{ticket.request_id} is placed again"))
+
+    def _may_place_again(self, ticket: Ticket) -> bool:
+        """Whether ``ticket`` ended in a way :meth:`serve` may answer by placing its request
+        again (moved, or its replica died before its first output): its admission is then held
+        for the new ticket (:meth:`AdmissionGate.hold`), or settled if it is not."""
+        error = ticket.failure or ticket.kill
+        return (isinstance(error, _Moved | EngineDead) and ticket.first_output_at is None
+                and not self.closing)
 
     @property
     def closing(self) -> bool:
@@ -272,7 +286,7 @@ class Router:
         placed = self._placed.get(ticket)
         return None if placed is None else placed[0]
 
-    async def _admit(self, ticket: Ticket) -> Unit:
+    async def _admit(self, ticket: Ticket, *, again: bool = False) -> Unit:
         self.check_open()
         if self._defer is not None:
             saturated = self._saturated()
@@ -289,7 +303,7 @@ class Router:
         unit = self._choose(ticket)
         self._place(ticket, unit)
         try:
-            await unit.dispatcher.admit(ticket)
+            await unit.dispatcher.admit(ticket, again=again)
         except BaseException:
             self._unplace(ticket)
             raise
@@ -317,6 +331,7 @@ class Router:
                 unit = self.units[0]
             outputs = unit.dispatcher.serve(stream)
             started = False
+            moved: bool | None = None  # set when it is placed again
             try:
                 async for out in outputs:
                     started = True
@@ -331,17 +346,26 @@ class Router:
                     raise
                 moved = False
             finally:
-                await outputs.aclose()
+                try:
+                    await outputs.aclose()
+                finally:
+                    if moved is None and self.gate is not None and ticket in self.gate.held:
+                        self.gate.release(ticket)  # held for placing again, which it is not
             # Its replica died before answering it, or it was moved (see _stored): the same
-            # request, placed again.
+            # request, placed again, with the admission it already had (no second consultation
+            # of the admission policy, no second slot of its tenant's rate).
             fresh = ticket.requeued()
             self.stats.replace(ticket, moved=moved)
             stream._prepared(fresh)
             self.live[fresh.request_id] = fresh
+            if self.gate is not None:
+                self.gate.hand_over(ticket, fresh)
             try:
-                await self._admit(fresh)
+                await self._admit(fresh, again=True)
             except BaseException:
                 self.live.pop(fresh.request_id, None)
+                if self.gate is not None:
+                    self.gate.release(fresh)  # refused before its queue (or cancelled): settled
                 raise
 
     def forget(self, stream: ResponseStream) -> None:
