@@ -287,7 +287,8 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0,
     wall0 = time.perf_counter()
     tag = f"{arm.replace(' ', '_')}-s{seed}"
     samples: list[list[int]] = []
-    homes: dict[int, set[int]] = collections.defaultdict(set)  # group -> replicas it was placed on
+    # group -> its requests per replica placed on
+    homes: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
     dt = 0.002 if pool.kind == "sim" else 0.02
     sampler = asyncio.ensure_future(_sample_engines(engines, clock, stop, dt, samples))
 
@@ -320,7 +321,7 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0,
                     errors[f"{type(e).__name__}: {e}"[:120]] += 1
                     return
                 spans[recorder.placed[rid]].append(clock.now() - start)
-                homes[req.group].add(recorder.placed[rid])
+                homes[req.group][recorder.placed[rid]] += 1
                 results.append(last)
 
             await asyncio.gather(*(through(k, i, req) for k, (i, req) in enumerate(requests)))
@@ -338,6 +339,8 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0,
     cached = sum(int(r.num_cached_tokens or 0) for r in results)
     load = [sum(s) / makespan for s in spans.values()]  # all arrive at 0: time in flight = finish
     mean = statistics.fmean(load)
+    # As the pair's: the groups of two requests or more with >= 95% of them on one replica.
+    multi = [h for h in homes.values() if h.total() >= 2]
     return {"arm": arm, "requests": len(results), "req_per_s": len(results) / makespan,
             "makespan_s": makespan,
             "hit_rate": cached / prompt, "prompt_tokens": prompt, "computed_prefill_tokens": prompt - cached,
@@ -351,6 +354,8 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0,
             # reported (less: evicted before the request ran).
             "extra_group_replicas": sum(len(h) - 1 for h in homes.values()) if homes else None,
             "groups_split": sum(len(h) > 1 for h in homes.values()) if homes else None,
+            "groups_modal_95": (sum(max(h.values()) >= 0.95 * h.total() for h in multi) / len(multi)
+                                if multi else None),
             "predicted_hit_tokens": gw_stats.predicted_hit_tokens if gw_stats else None,
             "engine_cached_tokens": gw_stats.engine_cached_tokens if gw_stats else None,
             "wall_s": time.perf_counter() - wall0}
@@ -437,6 +442,14 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
     fair = sum(sum((ca + cb).values()) for ca, cb in where.values()) / len(engines)
     fits = [n <= fair for n in sizes]
     fitting = [m for m, f in zip(modal, fits, strict=True) if f]
+    total = sum(sum((ca + cb).values()) for ca, cb in where.values())
+    # The groups under 95% on one replica, each with its share of the trace and where each
+    # gateway put its requests: what is left to explain.
+    split = [{"group": g, "share_of_trace": round(sum((ca + cb).values()) / total, 4),
+              "gateway_a": {str(r): n for r, n in sorted(ca.items())},
+              "gateway_b": {str(r): n for r, n in sorted(cb.items())}}
+             for g, (ca, cb) in sorted(where.items())
+             if ca and cb and max((ca + cb).values()) / sum((ca + cb).values()) < 0.95]
     if errors:
         print(f"pair ({arm}): {sum(errors.values())} requests failed: {dict(errors)}", flush=True)
     return {"hit_rate": cached / prompt, "req_per_s": len(outs) / (clock.now() - start),
@@ -446,7 +459,8 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
             "modal_share": sum(m * n for m, n in zip(modal, sizes, strict=True)) / sum(sizes),
             "groups_modal_95": sum(m >= 0.95 for m in modal) / len(both),
             "groups_over_fair_share": len(both) - len(fitting),
-            "fitting_groups_modal_95": sum(m >= 0.95 for m in fitting) / len(fitting) if fitting else None}
+            "fitting_groups_modal_95": sum(m >= 0.95 for m in fitting) / len(fitting) if fitting else None,
+            "split_groups": split}
 
 
 async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_tokens: int, kv_share: float,
@@ -494,7 +508,11 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
     for arm, got in pairs_raw.items():
         if got:
             pairs[arm] = {k: statistics.median(v) if (v := [g[k] for g in got if g[k] is not None]) else None
-                          for k in got[0]}
+                          for k in got[0] if k != "split_groups"}
+            pairs[arm]["split_groups_by_seed"] = [g["split_groups"] for g in got]
+            # The same count for one gateway given the whole trace: what the pair is held to.
+            one = [r["groups_modal_95"] for r in runs[arm] if r.get("groups_modal_95") is not None]
+            pairs[arm]["one_gateway_groups_modal_95"] = statistics.median(one) if one else None
             pairs[arm]["hit_rate_vs_one"] = pairs[arm]["hit_rate"] / med[arm]["hit_rate"]
     h_star = statistics.median(ceilings)
     rr = med["RR"]
@@ -505,6 +523,10 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
             "ratios": {a: {"req_per_s_vs_RR": m["req_per_s"] / rr["req_per_s"],
                            "hit_rate_vs_ceiling": m["hit_rate"] / h_star} for a, m in med.items()},
             "pairs": pairs, "runs": runs}
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def format_table(cases: Sequence[dict[str, Any]]) -> str:
@@ -524,7 +546,9 @@ def format_table(cases: Sequence[dict[str, Any]]) -> str:
             lines.append(f"{'':>8} {'':<10} two gateways ({arm}): hit {pr['hit_rate']:.3f} "
                          f"({pr['hit_rate_vs_one']:.3f} of one's), placements alike {pr['agreement']:.2f} "
                          f"(groups alike >= 95%: {pr['groups_agreeing_95']:.2f}), "
-                         f"on the group's main replica {pr['modal_share']:.2f}, moved {pr['moved']:.0f}")
+                         f"on the group's main replica {pr['modal_share']:.2f}, groups >= 95% on one "
+                         f"replica {pr['groups_modal_95']:.2f} (one gateway: "
+                         f"{_fmt(pr.get('one_gateway_groups_modal_95'))}), moved {pr['moved']:.0f}")
     return "\n".join(lines)
 
 
