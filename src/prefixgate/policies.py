@@ -276,15 +276,13 @@ class AdmissionGate:
         if ticket in self.admitted:
             self.held.add(ticket)
 
-    def hand_over(self, old: Ticket, new: Ticket) -> bool:
-        """Moves ``old``'s admission to ``new`` (the same request placed again), telling the
-        policy nothing; whether ``old`` was admitted (``new`` then needs no :meth:`check`)."""
-        if old not in self.admitted:
-            return False
-        self.admitted.discard(old)
-        self.held.discard(old)
-        self.admitted.add(new)
-        return True
+    def hand_over(self, old: Ticket, new: Ticket) -> None:
+        """Moves ``old``'s admission, if it has one, to ``new`` (the same request placed
+        again), telling the policy nothing: ``new`` then needs no :meth:`check`."""
+        if old in self.admitted:
+            self.admitted.discard(old)
+            self.held.discard(old)
+            self.admitted.add(new)
 
     def release(self, ticket: Ticket) -> None:
         """Reports ``ticket``'s usage to the policy if it admitted it and was not told yet."""
