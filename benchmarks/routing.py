@@ -356,6 +356,8 @@ async def run_arm(arm: str, trace: Any, pool: Replicas, seed: int = 0,
             "groups_split": sum(len(h) > 1 for h in homes.values()) if homes else None,
             "groups_modal_95": (sum(max(h.values()) >= 0.95 * h.total() for h in multi) / len(multi)
                                 if multi else None),
+            "split_group_ids": sorted(g for g, h in homes.items()
+                                      if h.total() >= 2 and max(h.values()) < 0.95 * h.total()),
             "predicted_hit_tokens": gw_stats.predicted_hit_tokens if gw_stats else None,
             "engine_cached_tokens": gw_stats.engine_cached_tokens if gw_stats else None,
             "wall_s": time.perf_counter() - wall0}
@@ -431,6 +433,8 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
     prompt = sum(len(r.prompt_token_ids) for r in outs)
     cached = sum(int(r.num_cached_tokens or 0) for r in outs)
     both = [(ca, cb) for ca, cb in where.values() if ca and cb]
+    modal_by_group = {g: max((ca + cb).values()) / sum((ca + cb).values())
+                      for g, (ca, cb) in where.items() if ca and cb}
     # Per group seen by both: how alike the two gateways' placements are (the overlap of their
     # shares per replica), and the share of its requests on its most used replica.
     overlap = [sum(min(ca[r] / sum(ca.values()), cb[r] / sum(cb.values())) for r in ca) for ca, cb in both]
@@ -460,7 +464,7 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
             "groups_modal_95": sum(m >= 0.95 for m in modal) / len(both),
             "groups_over_fair_share": len(both) - len(fitting),
             "fitting_groups_modal_95": sum(m >= 0.95 for m in fitting) / len(fitting) if fitting else None,
-            "split_groups": split}
+            "split_groups": split, "modal_by_group": modal_by_group}
 
 
 async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_tokens: int, kv_share: float,
@@ -500,7 +504,14 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
                       f"loop lag max {r['loop_lag_max_s']}", flush=True)
         if pair:
             for arm in pairs_raw:
-                pairs_raw[arm].append(await run_pair(trace, engines, arm, seed, arrival_spread))
+                got = await run_pair(trace, engines, arm, seed, arrival_spread)
+                # The groups one gateway given the whole trace kept on one replica (with the
+                # same seed): the share of them the pair kept on one replica too.
+                modal, one_split = got.pop("modal_by_group"), set(runs[arm][-1]["split_group_ids"])
+                kept = [m for g, m in modal.items() if g not in one_split]
+                got["groups_modal_95_where_one_keeps"] = (sum(m >= 0.95 for m in kept) / len(kept)
+                                                          if kept else None)
+                pairs_raw[arm].append(got)
     med = {a: {k: statistics.median(r[k] for r in rs if r[k] is not None) for k in
                ("req_per_s", "hit_rate", "computed_prefill_tokens", "imbalance", "engine_imbalance")}
            for a, rs in runs.items()}
@@ -548,7 +559,8 @@ def format_table(cases: Sequence[dict[str, Any]]) -> str:
                          f"(groups alike >= 95%: {pr['groups_agreeing_95']:.2f}), "
                          f"on the group's main replica {pr['modal_share']:.2f}, groups >= 95% on one "
                          f"replica {pr['groups_modal_95']:.2f} (one gateway: "
-                         f"{_fmt(pr.get('one_gateway_groups_modal_95'))}), moved {pr['moved']:.0f}")
+                         f"{_fmt(pr.get('one_gateway_groups_modal_95'))}; of those one gateway kept: "
+                         f"{_fmt(pr.get('groups_modal_95_where_one_keeps'))}), moved {pr['moved']:.0f}")
     return "\n".join(lines)
 
 
