@@ -529,6 +529,29 @@ async def test_a_request_waiting_cold_moves_where_another_replica_reports_its_pr
     assert not gw._router.gate.admitted and not gw._router.gate.held
 
 
+async def test_a_request_moved_while_unread_as_the_gateway_closes_ends_shutting_down():
+    engines = [FakeEngine(block_size=4, step=asyncio.Event()) for _ in range(2)]
+    gw = Gateway(engines, GatewayConfig(placement=ZeroUnlessOneHolds(), max_in_flight=1), clock=FakeClock())
+    units = gw._router.units
+    for unit in units:
+        unit.state.mirror.followed = True
+    blocker = asyncio.create_task(drain(gw.generate("blocker " * 3, SP, request_id="blocker")))
+    await run_until_idle()
+    stream = await gw.submit("shared doc " * 6 + "question", SP, request_id="hot")  # queued, unread
+    ticket = gw._live["hot"]
+    units[1].state.mirror.learn(None, ticket.block_hashes[:ticket.cacheable_blocks])  # it moves...
+    closing = asyncio.create_task(gw.aclose())
+    await run_until_idle()  # ...and the gateway closes before its stream is read
+    with pytest.raises(ShuttingDown):
+        await drain(stream)
+    for engine in engines:
+        engine.step.set()
+    await closing
+    assert (await blocker)[-1].finished
+    stats = gw.statistics()
+    assert dict(stats.outcomes) == {"completed": 1, "shutting_down": 1} and stats.moved == 0
+
+
 async def test_replicas_must_serve_one_model_with_one_block_size():
     clock = SimClock()
     a = SimEngine(block_size=16, clock=clock, tokenizer=ByteTokenizer())

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .dispatch import Dispatcher
-from .errors import EngineDead, EngineError, PrefixgateError, ShuttingDown
+from .errors import EngineDead, EngineError, Outcome, PrefixgateError, ShuttingDown
 from .placement import PlacementPolicy, ReplicaState
 from .queueing import Scheduler
 from .replica import Replica
@@ -58,7 +58,10 @@ _POOL_LIMIT = 4096
 
 class _Moved(EngineError):
     """A waiting request goes back to placement (:meth:`Router._stored`); caught by
-    :meth:`Router.serve`, so never a request's outcome (an ``EngineError`` if it ever were)."""
+    :meth:`Router.serve`, which places it again, or, if the gateway closed meanwhile, ends it
+    with ``ShuttingDown`` (so counted as that)."""
+
+    outcome = Outcome.SHUTTING_DOWN
 
 
 @dataclass(slots=True)
@@ -338,8 +341,8 @@ class Router:
                     yield out
                 return
             except _Moved:
-                if started or self.closing:
-                    raise
+                if started or self.closing:  # moved, then the gateway closed before it was read
+                    raise ShuttingDown("gateway is shutting down") from None
                 moved = True
             except EngineDead:
                 if started or unit.replica.dead is None or self.closing or not self._refresh():
