@@ -432,13 +432,14 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
         moved = a.statistics().moved + b.statistics().moved
     prompt = sum(len(r.prompt_token_ids) for r in outs)
     cached = sum(int(r.num_cached_tokens or 0) for r in outs)
-    both = [(ca, cb) for ca, cb in where.values() if ca and cb]
-    modal_by_group = {g: max((ca + cb).values()) / sum((ca + cb).values())
-                      for g, (ca, cb) in where.items() if ca and cb}
+    both_by_group = {g: (ca, cb) for g, (ca, cb) in where.items() if ca and cb}
+    both = list(both_by_group.values())
     # Per group seen by both: how alike the two gateways' placements are (the overlap of their
     # shares per replica), and the share of its requests on its most used replica.
     overlap = [sum(min(ca[r] / sum(ca.values()), cb[r] / sum(cb.values())) for r in ca) for ca, cb in both]
-    modal = [max((ca + cb).values()) / sum((ca + cb).values()) for ca, cb in both]
+    modal_by_group = {g: max((ca + cb).values()) / sum((ca + cb).values())
+                      for g, (ca, cb) in both_by_group.items()}
+    modal = list(modal_by_group.values())
     sizes = [sum((ca + cb).values()) for ca, cb in both]
     # The issue's own reading: a group's requests (both gateways') with >= 95% on one replica.
     # A group with more than a replica's fair share of all requests cannot have that and even
@@ -452,8 +453,7 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
     split = [{"group": g, "share_of_trace": round(sum((ca + cb).values()) / total, 4),
               "gateway_a": {str(r): n for r, n in sorted(ca.items())},
               "gateway_b": {str(r): n for r, n in sorted(cb.items())}}
-             for g, (ca, cb) in sorted(where.items())
-             if ca and cb and max((ca + cb).values()) / sum((ca + cb).values()) < 0.95]
+             for g, (ca, cb) in sorted(both_by_group.items()) if modal_by_group[g] < 0.95]
     if errors:
         print(f"pair ({arm}): {sum(errors.values())} requests failed: {dict(errors)}", flush=True)
     return {"hit_rate": cached / prompt, "req_per_s": len(outs) / (clock.now() - start),
