@@ -323,6 +323,11 @@ class CostPlacement:
             default) on the simulated W5 at 4-64 replicas (Zipf, seed 0), one gateway split
             2-17 prefix groups over replicas against 2-102, and with two independent gateways
             91-96% of the groups had >= 95% of their requests on one replica, against 72-86%.
+            Each gateway judges popularity from its own window, so a prefix whose share sits at
+            the threshold can be popular to one gateway and not to another; the two then start
+            a few new prefixes differently (simulated W5 at 2 replicas, Zipf, where the top
+            prefix is about a quarter of the requests: one or two groups of 2-3 requests per
+            seed split between two gateways).
         window: Requests per live replica in the popularity window (``window * n`` in all).
         fluid_share: The share of the window's requests that popular prefixes must make up for
             a rare prefix to be held whole (see ``spread_share``); below it, held in proportion,
