@@ -285,6 +285,36 @@ def test_new_prefixes_held_back_in_a_burst_start_evenly_whatever_order_they_came
     assert moved and all(min(ranks) > max(stayed[h]) for h, ranks in moved.items())
 
 
+def test_a_burst_goes_where_its_set_puts_it_whichever_prefixes_started_before_it():
+    """One gateway starts a few prefixes as they come (before the rest of the burst), another
+    none; each then holds back the rest and places them together: those go where the whole set
+    puts them on both, not shifted by where the first gateway's few started."""
+    keys = [[k, k + 1] * 8 + [0] * 4 for k in range(64)]
+    probe, states = CostPlacement(route_prefix_tokens=16), replicas(4)
+    starts = [probe._note(probe.ring.key(ticket(k), states), states) for k in keys]
+    by_ring = collections.defaultdict(list)
+    for k, start in enumerate(starts):
+        by_ring[start.order[0]].append((start.rank, k))
+    fullest = max(by_ring.values(), key=len)
+    assert len(fullest) > 16  # the ring alone: 18 against 14
+    # Started first by one gateway: the fullest replica's highest ranked, which the set moves on.
+    early = [k for _, k in sorted(fullest)[-3:]]
+
+    def gateway(early: Sequence[int]) -> dict[int, int]:
+        policy = CostPlacement(route_prefix_tokens=16, cold_epsilon=0.0, cold_margin=0)
+        states = replicas(4)
+        for k in early:  # placed as they come: too few started yet for the bound (the ring's)
+            policy.place(ticket(keys[k], f"e{k}"), states)
+        rest = [(k, ticket(keys[k], f"r{k}")) for k in range(64) if k not in early]
+        assert all(policy.defer(t, states, True) for _, t in rest)
+        policy.released(True)
+        return {k: policy.place(t, states) for k, t in rest}
+
+    a, b = gateway(early), gateway([])
+    assert all(a[k] == b[k] for k in a)
+    assert sorted(collections.Counter(b.values()).values()) == [16, 16, 16, 16]
+
+
 def test_new_prefixes_placed_as_they_come_move_only_past_stream_margin():
     """Let go with a burst (the same set as other gateways'), new prefixes start evenly;
     let go mid-stream (``released(False)``: other gateways' sets differ by the prefixes that came
@@ -356,7 +386,7 @@ def test_a_new_prefix_kept_on_its_ring_replica_by_the_counts_is_where_the_full_c
     def run(shortcut: bool) -> list[int]:
         policy = CostPlacement(route_prefix_tokens=16, window=4, cold_after=1)
         if not shortcut:
-            policy._ring_has_room = lambda entry, replicas, margin: None  # type: ignore[method-assign]
+            policy._ring_has_room = lambda entry, replicas, margin, pin=True: None  # type: ignore[method-assign]
         states = replicas(n)
         placed, held = [], []
         for i, (k, hold) in enumerate(arrivals):
@@ -750,6 +780,50 @@ async def test_the_router_tells_the_policy_whether_the_burst_has_arrived_when_it
             await clock.sleep(0.002)
         await asyncio.gather(*stream)
     assert calls and False in calls
+
+
+async def test_a_request_arriving_while_a_replica_is_idle_lets_the_held_ones_go_only_once_they_waited():
+    """A burst's first requests come while every replica is idle: one arriving then is asked
+    whether to wait with those held back (not placed at once, letting them go one by one) until
+    the first held has waited ``defer_quiet``; after that it lets them go, the burst unfinished."""
+    clock, engines = sims(2)
+    released: list[tuple[float, bool]] = []
+    placed: list[tuple[float, str]] = []
+
+    class Holding:
+        defer_quiet = 0.01
+
+        def place(self, ticket: Ticket, replicas: Sequence[ReplicaState]) -> int:
+            placed.append((clock.now(), ticket.request_id))
+            return 0
+
+        def defer(self, ticket: Ticket, replicas: Sequence[ReplicaState], saturated: bool) -> bool:
+            return ticket.request_id.startswith("hold")
+
+        def released(self, burst: bool) -> None:
+            released.append((clock.now(), burst))
+
+    async with Gateway(engines, GatewayConfig(placement=Holding()), clock=clock) as gw:
+        router = gw._router
+        prompts = group_prompts(4, 1)
+
+        def send(i: int, rid: str) -> asyncio.Future:
+            return asyncio.ensure_future(drain(gw.generate(prompts[i], SP, request_id=rid)))
+
+        tasks = [send(0, "hold-0")]
+        await clock.sleep(0.004)
+        tasks.append(send(1, "go-1"))  # at 4 ms: placed at once, the held one still held
+        await clock.sleep(0.002)
+        assert router.waiting_to_place == 1 and not released and placed == [(0.004, "go-1")]
+        tasks.append(send(2, "hold-2"))  # at 6 ms: joins it (quiet until 16 ms)
+        await clock.sleep(0.005)
+        assert router.waiting_to_place == 2 and not released
+        tasks.append(send(3, "go-3"))  # at 11 ms: the first has waited 11 ms
+        await clock.sleep(0.001)
+        assert router.waiting_to_place == 0 and released == [(pytest.approx(0.011), False)]
+        assert [rid for _, rid in placed] == ["go-1", "go-3", "hold-0", "hold-2"]
+        outs = await asyncio.gather(*tasks)
+    assert all(o[-1].finished for o in outs)
 
 
 async def test_a_request_cancelled_while_it_waits_to_be_placed_leaves_nothing_behind():

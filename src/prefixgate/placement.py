@@ -347,7 +347,9 @@ class CostPlacement:
             of the prefixes started lately (the last ``window`` per live replica, the held-back ones
             included) puts it. Each replica is home to at most ``ceil((1 + cold_epsilon) * p / n) +
             cold_margin`` (or ``stream_margin``, see there) of those ``p`` prefixes; one already
-            started stays where it started (and, while no prefix is popular, counts there); a new
+            started stays where it started (and counts there for new prefixes placed as they
+            come while no prefix is popular; for a burst placed together, where the set puts
+            it: each gateway started a different few before the rest of the burst came); a new
             one goes to its first live replica on the ring, unless that one is full, when the new
             prefixes ranked highest there (by a hash of their key) move on along the ring to the
             first replica with room. That depends on the set, not on the order the prefixes came in,
@@ -554,19 +556,22 @@ class CostPlacement:
             self._assignment = None
         return entry
 
-    def _balanced(self, replicas: Sequence[ReplicaState], margin: int) -> dict[int, int]:
+    def _balanced(self, replicas: Sequence[ReplicaState], margin: int, pin: bool = True) -> dict[int, int]:
         """Where each prefix started lately that has not started yet goes, as a function of the
         set (so independent gateways that saw the same prefixes agree, whatever the order they
         came in): its first live replica on the ring, unless that one is home to more than
         ``ceil((1 + cold_epsilon) * p / n) + margin`` of the ``p`` prefixes; then the
         prefixes ranked highest (by a hash of their key) move on along the ring to the first
-        replica under that bound. Those already started count where they started (while a
-        prefix is popular: where the set alone would put them)."""
+        replica under that bound. With ``pin``, those already started count where they started;
+        else (and while a prefix is popular) where the set alone would put them."""
         # Those already started count where they started, so that prefixes started one at a
         # time even out too; not while a prefix is popular (the two gateways may then disagree
         # on whether new prefixes start evenly at all, and the ring's set alone keeps the rest
-        # where both put them).
-        pin = not self._popular
+        # where both put them), nor for a burst placed together (each gateway started a
+        # different few of its prefixes before the rest came: counted where they started, those
+        # few would move different others on each; by the set alone, the burst goes where the
+        # set puts it on both, and a prefix started early stays where it started).
+        pin = pin and not self._popular
         if not pin and self._assignment is not None and self._assignment[0] == margin:
             return self._assignment[1]
         live = {r.index for r in replicas if r.alive}
@@ -612,9 +617,10 @@ class CostPlacement:
         if self._balancing():
             # Placed with the burst it came in (the same set as other gateways'), or as it came.
             margin = self.cold_margin if entry.settled else self.stream_margin
-            i = self._ring_has_room(entry, replicas, margin) if home < 0 else None
+            pin = not entry.settled
+            i = self._ring_has_room(entry, replicas, margin, pin) if home < 0 else None
             if i is None:
-                i = self._balanced(replicas, margin).get(key, first)
+                i = self._balanced(replicas, margin, pin).get(key, first)
             if replicas[i].alive and (bound is None or replicas[i].load < bound):
                 choice = i
         if home >= 0:  # started where it cannot go now (gone, or at the load bound)
@@ -626,10 +632,12 @@ class CostPlacement:
         self._by_home[choice] += 1
         return choice
 
-    def _ring_has_room(self, entry: _Start, replicas: Sequence[ReplicaState], margin: int) -> int | None:
-        """The new prefix's replica on the ring if :meth:`_balanced` would keep it there for
-        certain (that replica is alive and no more prefixes would be home to it than its share
-        with it there: none of them moves), found from counts; else ``None`` (compute it)."""
+    def _ring_has_room(self, entry: _Start, replicas: Sequence[ReplicaState], margin: int,
+                       pin: bool = True) -> int | None:
+        """The new prefix's replica on the ring if :meth:`_balanced` (with ``pin``) would keep it
+        there for certain (that replica is alive and no more prefixes would be home to it than
+        its share with it there: none of them moves), found from counts; else ``None``
+        (compute it)."""
         if not all(r.alive for r in replicas):
             return None
         h = entry.order[0]
@@ -637,7 +645,7 @@ class CostPlacement:
         if len(self._started) < self.cold_after * n or self.cold_epsilon is None:
             return h
         quota = math.ceil((1 + self.cold_epsilon) * len(self._started) / n) + margin
-        there = self._by_home[h] + self._waiting_by_ring[h] if not self._popular else self._by_ring[h]
+        there = self._by_home[h] + self._waiting_by_ring[h] if pin and not self._popular else self._by_ring[h]
         return h if there <= quota else None
 
     def defer(self, ticket: Ticket, replicas: Sequence[ReplicaState], saturated: bool = True) -> bool:

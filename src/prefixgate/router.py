@@ -12,7 +12,8 @@ Deferred placement: a policy with a ``defer(ticket, replicas, saturated)`` metho
 ``cost`` has one) may hold a request back before it is placed. Held requests wait in the
 router, counted in the gateway's ``queued``, and are let go together (each then placed in arrival
 order) once none has joined them for the policy's ``defer_quiet`` seconds (10 ms), a live
-replica's queue empties, ``defer_seconds`` (1 s) pass since the first, or the gateway closes;
+replica's queue empties (or a request arrives while one is empty, once the first held has waited
+``defer_quiet``), ``defer_seconds`` (1 s) pass since the first, or the gateway closes;
 the policy's ``released(burst)`` (if any) is told whether it was the first (the burst had
 arrived), and every replica's circular walk then starts again from its smallest key. A held
 request meets admission (the admission policy, its tenant's rate, the queue's bounds) when it is
@@ -236,6 +237,14 @@ class Router:
         would wait anyway)."""
         return all(u.scheduler.num_waiting > 0 for u in self.units if u.state.alive)
 
+    def _pool_aged(self) -> bool:
+        """Whether the first request held back has waited ``defer_quiet``: until then a request
+        arriving while a replica's queue is empty does not let the pool go (a burst's first
+        requests come while every replica is idle; let go one by one, each as the next came,
+        its new prefixes would start as they came and not as its whole set puts them, unlike
+        another gateway's share of the same burst), it is asked whether to wait with them."""
+        return self.units[0].dispatcher.clock.now() - self._pool_since >= self.defer_quiet
+
     def _release_pool(self, burst: bool = False) -> None:
         """Lets every request waiting to be placed go on (each places itself, in arrival order);
         ``burst``: none joined them for ``defer_quiet`` (told to the policy's ``released``)."""
@@ -293,7 +302,7 @@ class Router:
         self.check_open()
         if self._defer is not None:
             saturated = self._saturated()
-            if self._pool and not saturated:
+            if self._pool and not saturated and self._pool_aged():
                 self._release_pool()
             elif len(self._pool) < _POOL_LIMIT and self._defer(ticket, self.states, saturated):
                 await self._wait_to_place(ticket)
