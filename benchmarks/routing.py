@@ -31,7 +31,7 @@ Arms (the same trace; each on fresh engines):
 
 Two independent gateways (``run_pair``; the Zipf cases, and the even ones with
 ``--pair-even``): both over the same N engines, each sent every other request of the burst,
-placing by ``L``'s (with ``stream_margin`` 2, as advised for several gateways) and by ``L
+placing by ``L``'s (with ``stream_margin`` 2 and ``even_out`` off, as advised for several gateways) and by ``L
 ring``'s policy with no state shared: how alike their placements of each prefix group are (the
 overlap of their shares per replica), and the pair's hit rate against one gateway's given the
 whole trace.
@@ -381,13 +381,15 @@ it advises for several gateways; ``--pair-kv-budget``)."""
 def _policy(arm: str, gateways: int = 1) -> Any:
     """A fresh placement policy for ``arm`` (``L`` with :data:`COST_OPTIONS`), for one of
     ``gateways`` independent gateways: with several, ``L`` places new prefixes that come in a
-    stream with ``stream_margin`` 2, as ``CostPlacement`` advises (unless the options say)."""
+    stream with ``stream_margin`` 2 and a burst without ``even_out``, as ``CostPlacement``
+    advises (unless the options say)."""
     from prefixgate.placement import CostPlacement, make_placement
 
     if arm == "L" and (COST_OPTIONS or gateways > 1):
         options = dict(COST_OPTIONS)
         if gateways > 1:
             options.setdefault("stream_margin", 2)
+            options.setdefault("even_out", False)
         return CostPlacement(**options)
     return make_placement(PLACEMENT[arm])
 
@@ -397,9 +399,9 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
     """Two independent gateways over the same engines, each sent every other request of the
     (shuffled) trace at once (or evenly over ``spread`` seconds): where each put each prefix
     group, and the hit rate of the pair. Each places as :func:`_policy` advises for several
-    gateways (``L``: ``stream_margin`` 2) and queues with ``prefer_resident`` off (on where the
-    engines' cache events are followed) and half the KV budget (:data:`PAIR_PREFER_RESIDENT`,
-    :data:`PAIR_KV_BUDGET`)."""
+    gateways (``L``: ``stream_margin`` 2, ``even_out`` off) and queues with ``prefer_resident``
+    off (on where the engines' cache events are followed) and half the KV budget
+    (:data:`PAIR_PREFER_RESIDENT`, :data:`PAIR_KV_BUDGET`)."""
     from prefixgate import Gateway, GatewayConfig
 
     engines, clock = await pool.get()
