@@ -787,10 +787,11 @@ async def test_the_router_tells_the_policy_whether_the_burst_has_arrived_when_it
     assert calls and False in calls
 
 
-async def test_a_request_arriving_while_a_replica_is_idle_lets_the_held_ones_go_only_once_they_waited():
-    """A burst's first requests come while every replica is idle: one arriving then is asked
-    whether to wait with those held back (not placed at once, letting them go one by one) until
-    the first held has waited ``defer_quiet``; after that it lets them go, the burst unfinished."""
+async def test_early_in_a_burst_a_request_arriving_while_a_replica_is_idle_does_not_let_the_held_ones_go():
+    """A burst's first requests come while every replica is idle: one arriving then, within
+    ``defer_quiet`` of the first after a lull, is asked whether to wait with those held back
+    (not placed at once, letting them go one by one); later it lets them go, the burst
+    unfinished; in a stream (no lull) at once."""
     clock, engines = sims(2)
     released: list[tuple[float, bool]] = []
     placed: list[tuple[float, str]] = []
@@ -827,6 +828,15 @@ async def test_a_request_arriving_while_a_replica_is_idle_lets_the_held_ones_go_
         await clock.sleep(0.001)
         assert router.waiting_to_place == 0 and released == [(pytest.approx(0.011), False)]
         assert [rid for _, rid in placed] == ["go-1", "go-3", "hold-0", "hold-2"]
+        for i in range(4, 12):  # a stream: one every 2 ms, then one held back and one not
+            tasks.append(send(i % 4, f"go-{i}"))
+            await clock.sleep(0.002)
+        tasks.append(send(0, "hold-12"))
+        await clock.sleep(0.001)
+        assert router.waiting_to_place == 1
+        tasks.append(send(1, "go-13"))
+        await clock.sleep(0.0005)
+        assert router.waiting_to_place == 0 and released[-1] == (pytest.approx(0.029), False)
         outs = await asyncio.gather(*tasks)
     assert all(o[-1].finished for o in outs)
 

@@ -12,8 +12,9 @@ Deferred placement: a policy with a ``defer(ticket, replicas, saturated)`` metho
 ``cost`` has one) may hold a request back before it is placed. Held requests wait in the
 router, counted in the gateway's ``queued``, and are let go together (each then placed in arrival
 order) once none has joined them for the policy's ``defer_quiet`` seconds (10 ms), a live
-replica's queue empties (or a request arrives while one is empty, once the first held has waited
-``defer_quiet``), ``defer_seconds`` (1 s) pass since the first, or the gateway closes;
+replica's queue empties (or a request arrives while one is empty, unless it came within
+``defer_quiet`` of the first after a lull: early in a burst), ``defer_seconds`` (1 s) pass since
+the first, or the gateway closes;
 the policy's ``released(burst)`` (if any) is told whether it was the first (the burst had
 arrived), and every replica's circular walk then starts again from its smallest key. A held
 request meets admission (the admission policy, its tenant's rate, the queue's bounds) when it is
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import statistics
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
@@ -116,6 +118,9 @@ class Router:
         self.defer_quiet = float(getattr(policy, "defer_quiet", 0.01))
         self._pool_since = 0.0
         self._pool_last = 0.0
+        # The first arrival after none came for defer_quiet (a burst's start), and the last one.
+        self._burst_since = -math.inf
+        self._last_arrival = -math.inf
         self.gate = self.units[0].dispatcher.gate
         for unit in self.units:
             unit.dispatcher.on_release = self._unplace
@@ -237,13 +242,19 @@ class Router:
         would wait anyway)."""
         return all(u.scheduler.num_waiting > 0 for u in self.units if u.state.alive)
 
-    def _pool_aged(self) -> bool:
-        """Whether the first request held back has waited ``defer_quiet``: until then a request
-        arriving while a replica's queue is empty does not let the pool go (a burst's first
-        requests come while every replica is idle; let go one by one, each as the next came,
-        its new prefixes would start as they came and not as its whole set puts them, unlike
-        another gateway's share of the same burst), it is asked whether to wait with them."""
-        return self.units[0].dispatcher.clock.now() - self._pool_since >= self.defer_quiet
+    def _early_in_burst(self) -> bool:
+        """Whether the requests now arriving came less than ``defer_quiet`` after the first that
+        came after a lull (none for ``defer_quiet``). A burst's first requests come while every
+        replica is idle; let go as each next one came (a replica's queue being empty), those held
+        back would be placed one by one, as they came and not as the whole burst's set puts
+        them, unlike another gateway's share of the same burst. So early in a burst a request
+        arriving while a replica's queue is empty does not let them go; it is asked whether to
+        wait with them. In a stream (no lull), it does, as it always did."""
+        now = self.units[0].dispatcher.clock.now()
+        if now - self._last_arrival >= self.defer_quiet:
+            self._burst_since = now
+        self._last_arrival = now
+        return now - self._burst_since < self.defer_quiet
 
     def _release_pool(self, burst: bool = False) -> None:
         """Lets every request waiting to be placed go on (each places itself, in arrival order);
@@ -301,8 +312,8 @@ class Router:
     async def _admit(self, ticket: Ticket, *, again: bool = False) -> Unit:
         self.check_open()
         if self._defer is not None:
-            saturated = self._saturated()
-            if self._pool and not saturated and self._pool_aged():
+            saturated, early = self._saturated(), self._early_in_burst()
+            if self._pool and not saturated and not early:
                 self._release_pool()
             elif len(self._pool) < _POOL_LIMIT and self._defer(ticket, self.states, saturated):
                 await self._wait_to_place(ticket)
