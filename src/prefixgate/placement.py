@@ -688,9 +688,9 @@ class CostPlacement:
         n = len(replicas)
         if len(self._started) < self.cold_after * n or self.cold_epsilon is None:
             return h
-        quota = math.ceil((1 + self.cold_epsilon) * len(self._started) / n) + margin
         if not pin and not self._popular and self.even_out:
             return None  # the set's place evened out for where the started ones went: compute it
+        quota = math.ceil((1 + self.cold_epsilon) * len(self._started) / n) + margin
         there = self._by_home[h] + self._waiting_by_ring[h] if pin and not self._popular else self._by_ring[h]
         return h if there <= quota else None
 

@@ -242,9 +242,9 @@ class Router:
         would wait anyway)."""
         return all(u.scheduler.num_waiting > 0 for u in self.units if u.state.alive)
 
-    def _early_in_burst(self) -> bool:
-        """Whether the requests now arriving came less than ``defer_quiet`` after the first that
-        came after a lull (none for ``defer_quiet``). A burst's first requests come while every
+    def _note_arrival(self) -> bool:
+        """Records a request's arrival; returns whether it came less than ``defer_quiet`` after
+        the first that came after a lull (none for ``defer_quiet``). A burst's first requests come while every
         replica is idle; let go as each next one came (a replica's queue being empty), those held
         back would be placed one by one, as they came and not as the whole burst's set puts
         them, unlike another gateway's share of the same burst. So early in a burst a request
@@ -312,7 +312,7 @@ class Router:
     async def _admit(self, ticket: Ticket, *, again: bool = False) -> Unit:
         self.check_open()
         if self._defer is not None:
-            saturated, early = self._saturated(), self._early_in_burst()
+            saturated, early = self._saturated(), self._note_arrival()
             if self._pool and not saturated and not early:
                 self._release_pool()
             elif len(self._pool) < _POOL_LIMIT and self._defer(ticket, self.states, saturated):
