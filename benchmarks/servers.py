@@ -190,6 +190,10 @@ class VllmServers:
                                    f"{self.tail(i)}")
             time.sleep(0.5)
 
+    def pid(self, i: int) -> int:
+        """Server ``i``'s process id (its API server; the engine processes are its children)."""
+        return self._procs[i].pid
+
     def tail(self, i: int, lines: int = 30) -> str:
         """The last lines of server ``i``'s log."""
         try:
