@@ -380,26 +380,6 @@ def test_http_refusals_map_to_typed_errors():
     assert isinstance(failed, EngineError) and not isinstance(failed, InvalidRequest)
 
 
-async def test_streams_spread_over_the_connection_pools_and_close_with_the_engine(servers):
-    """httpcore's pool scans every connection on every request and close, so the streams go
-    to several pools, each new one to the pool carrying the fewest."""
-    with pytest.raises(ValueError, match="stream_pools"):
-        await RemoteVllm.connect(servers.urls[0], stream_pools=0)
-    e = await RemoteVllm.connect(servers.urls[0], stream_pools=3, metrics_interval=0.1)
-    try:
-        async with Gateway(e) as gw:
-            streams = [gw.generate(prose(random.Random(i), 4), params(64)) for i in range(6)]
-            firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
-            await asyncio.gather(*firsts)  # all six stream at once
-            assert e._carried == [2, 2, 2]
-            await asyncio.gather(*(drain(s) for s in streams))
-            assert e._carried == [0, 0, 0]
-            assert gw.statistics().outcomes.get("completed") == 6
-    finally:
-        await e.close()
-    assert len(e._streams) == 3 and all(c.is_closed for c in (e._client, *e._streams))
-
-
 async def test_an_unreachable_server_is_engine_dead():
     from benchmarks.servers import free_port
     from prefixgate import EngineDead

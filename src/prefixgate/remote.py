@@ -101,12 +101,6 @@ class RemoteVllm:
     Args:
         url: The server's base URL (``http://host:port``).
         client: An ``httpx.AsyncClient`` with ``base_url=url``; closed by :meth:`close`.
-        stream_clients: More such clients that carry the completion streams (each new stream
-            goes to the one carrying the fewest), closed by :meth:`close` too; by default the
-            streams share ``client``. httpcore's connection pool scans all of its connections
-            and waiting requests on every request and every response closed, so one pool
-            carrying hundreds of streams costs the gateway's loop time quadratic in their
-            number; :meth:`connect` spreads them over several pools.
         model: The served model's name (sent as ``model``; part of every block key).
         block_size: The server's KV block size.
         num_blocks: KV blocks requests can use (the server's ``num_gpu_blocks`` less its null block).
@@ -124,16 +118,13 @@ class RemoteVllm:
     def __init__(self, url: str, client: Any, *, model: str, block_size: int, num_blocks: int,
                  max_model_len: int, tokenizer: Tokenizer, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, clock: Clock | None = None,
-                 metrics_interval: float = 0.25, unhealthy_after: int = 2, timeout: float = 10.0,
-                 stream_clients: Sequence[Any] = ()) -> None:
+                 metrics_interval: float = 0.25, unhealthy_after: int = 2, timeout: float = 10.0) -> None:
         if metrics_interval <= 0:
             raise ValueError(f"metrics_interval must be positive, got {metrics_interval!r}")
         if unhealthy_after < 1:
             raise ValueError(f"unhealthy_after must be >= 1, got {unhealthy_after!r}")
         self.url = url
         self._client = client
-        self._streams: list[Any] = list(stream_clients) or [client]
-        self._carried = [0] * len(self._streams)  # streams open on each of ``_streams``
         self._model = model
         self._block_size = block_size
         self._num_blocks = num_blocks
@@ -174,8 +165,7 @@ class RemoteVllm:
                       api_key: str | None = None,
                       timeout: float = 10.0, metrics_interval: float = 0.25, unhealthy_after: int = 2,
                       clock: Clock | None = None, kv_events: str | None = None,
-                      kv_events_topic: str = "", kv_events_replay: str | None = None,
-                      stream_pools: int = 8) -> RemoteVllm:
+                      kv_events_topic: str = "", kv_events_replay: str | None = None) -> RemoteVllm:
         """Connects to a running vLLM server, reads what it serves, and starts watching it.
 
         Args:
@@ -199,9 +189,6 @@ class RemoteVllm:
                 ``None`` not to follow them. Followed, every gateway over this server sees what
                 any gateway's requests cached there and what the server evicted.
             kv_events_topic: The ``topic`` of the server's ``--kv-events-config``.
-            stream_pools: Connection pools the completion streams are spread over (each new
-                stream goes to the pool carrying the fewest): httpcore's pool costs time
-                quadratic in the streams it carries, measurable from about a hundred.
             kv_events_replay: Where the server answers replay requests (``tcp://host:port``, the
                 port of its ``--kv-events-config`` ``replay_endpoint``), or ``None``. Given, the
                 first gateway to follow the events first learns every batch the server still
@@ -218,16 +205,10 @@ class RemoteVllm:
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         url = url.rstrip("/")
-        if stream_pools < 1:
-            raise ValueError(f"stream_pools must be >= 1, got {stream_pools!r}")
-
-        def pool(keepalive: int | None) -> Any:
-            return httpx.AsyncClient(
-                base_url=url, headers=headers,
-                timeout=httpx.Timeout(timeout, read=None),  # streams: the stall watchdog bounds them
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=keepalive))
-
-        client = pool(256 if stream_pools == 1 else 8)  # with one pool, it carries the streams too
+        client = httpx.AsyncClient(
+            base_url=url, headers=headers,
+            timeout=httpx.Timeout(timeout, read=None),  # streams: the stall watchdog bounds them
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         try:
             models = await client.get("/v1/models", timeout=timeout)
             models.raise_for_status()
@@ -260,14 +241,12 @@ class RemoteVllm:
                 tokenizer = RemoteTokenizer(url, card["id"], timeout=timeout, headers=headers)
         elif not isinstance(tokenizer, Tokenizer):
             tokenizer = load_tokenizer(tokenizer)
-        streams = [pool(max(8, 256 // stream_pools)) for _ in range(stream_pools)] if stream_pools > 1 else []
         engine = cls(url, client, model=card["id"], block_size=int(config["block_size"]),
                      num_blocks=max(0, int(config["num_gpu_blocks"]) - 1),
                      max_model_len=int(card.get("max_model_len") or 0) or 2 ** 31,
                      tokenizer=tokenizer, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, clock=clock,
-                     metrics_interval=metrics_interval, unhealthy_after=unhealthy_after, timeout=timeout,
-                     stream_clients=streams)
+                     metrics_interval=metrics_interval, unhealthy_after=unhealthy_after, timeout=timeout)
         engine._record(parse_metrics(metrics.text), engine._clock.now())
         engine._monitor = asyncio.ensure_future(engine._watch())
         if kv_events is not None:
@@ -525,8 +504,6 @@ class RemoteVllm:
         rid = request.request_id
         live = _Live()
         self._live[rid] = live
-        pool = min(range(len(self._streams)), key=self._carried.__getitem__)
-        self._carried[pool] += 1
         prompt = request.prompt_token_ids
         ids: list[int] = []
         text: list[str] = []
@@ -534,7 +511,7 @@ class RemoteVllm:
         cached: int | None = None
         started = False
         try:
-            async with self._streams[pool].stream("POST", "/v1/completions", json=body) as response:
+            async with self._client.stream("POST", "/v1/completions", json=body) as response:
                 live.response = response
                 if live.aborted:  # aborted before the server answered: closing the stream ends it
                     yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text, "abort"),), True, cached)
@@ -578,7 +555,6 @@ class RemoteVllm:
         except (ValueError, KeyError, TypeError) as e:  # a malformed event
             raise EngineError(f"{self.url} sent a malformed event for {rid}: {e}") from e
         finally:
-            self._carried[pool] -= 1
             if self._live.get(rid) is live:
                 del self._live[rid]
 
@@ -656,9 +632,6 @@ class RemoteVllm:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._events
         await self._client.aclose()
-        for stream_client in self._streams:
-            if stream_client is not self._client:
-                await stream_client.aclose()
         if isinstance(self._tokenizer, RemoteTokenizer):
             self._tokenizer.close()
 
