@@ -53,7 +53,7 @@ def _post(url: str) -> None:
         r.read()
 
 
-def prefix_counters(server: str) -> tuple[float, float, float]:
+def server_counters(server: str) -> tuple[float, float, float]:
     """The server's cumulative prefix-cache ``(queries, hits)`` in tokens and its engine steps,
     from ``/metrics``."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -69,7 +69,11 @@ def prefix_counters(server: str) -> tuple[float, float, float]:
 
 def cpu_seconds(gateway_pid: int, server_pid: int) -> dict[str, float]:
     """CPU seconds (user + system) used so far by the gateway, vLLM's API server, its engine
-    processes (the server's children, together) and this process (the benchmark client)."""
+    processes (the server's children, together) and this process (the benchmark client).
+
+    Whole-process totals, which keep the time of threads that have ended, not
+    :func:`benchmarks.engines.process_cpu_seconds` (live threads only): the gateway's
+    connection and ``getaddrinfo`` worker threads come and go during a run."""
     import psutil
 
     def used(p: psutil.Process) -> float:
@@ -215,11 +219,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                         arms.reverse()  # interleave which arm goes first
                     for arm, url in arms:
                         _post(server + "/reset_prefix_cache")
-                        q0, h0, s0 = prefix_counters(server)
+                        q0, h0, s0 = server_counters(server)
                         c0 = cpu_seconds(gateway_pid, server_pid)
                         result = run_bench(bench_args(dataset, url, model, args.num_prompts, args.seed))
                         c1 = cpu_seconds(gateway_pid, server_pid)
-                        q1, h1, s1 = prefix_counters(server)
+                        q1, h1, s1 = server_counters(server)
                         row = {"dataset": dataset, "arm": arm, "repeat": repeat,
                                **{k: result.get(k) for k in KEYS},
                                "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
