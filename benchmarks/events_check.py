@@ -50,7 +50,7 @@ async def _check(gpu: bool, tokenizer: str) -> dict[str, Any]:
         url = servers.urls[0]
         first = await RemoteVllm.connect(url, max_num_seqs=8, tokenizer=tokenizer)
         try:
-            (await first._client.post("/reset_prefix_cache")).raise_for_status()
+            await first.reset_prefix_cache()
             async with Gateway([first], GatewayConfig()) as a:
                 async for _ in a.generate(f"{system}\nFirst question?", params):
                     pass

@@ -211,7 +211,7 @@ class Replicas:
                                    for k, e in enumerate(self._vllm)))
             self._warm = True
         for e in self._vllm:
-            (await e._client.post("/reset_prefix_cache")).raise_for_status()
+            await e.reset_prefix_cache()
         return self._vllm
 
     async def close(self) -> None:

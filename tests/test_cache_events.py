@@ -259,7 +259,7 @@ async def test_a_remote_engine_reads_kv_event_batches_off_zmq_and_counts_the_los
     from prefixgate.testing import ByteTokenizer
 
     class Client:
-        async def aclose(self) -> None:
+        async def close(self) -> None:
             pass
 
     pub = zmq.Context.instance().socket(zmq.PUB)
@@ -328,7 +328,7 @@ async def test_a_remote_engine_replays_from_vllms_publisher_what_it_missed_befor
     from prefixgate.testing import ByteTokenizer
 
     class Client:
-        async def aclose(self) -> None:
+        async def close(self) -> None:
             pass
 
     def batch(n: int) -> object:

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import random
 
+import httpx
 import pytest
 from conftest import MODEL_DIR
 from test_vllm_integration import prose
@@ -43,7 +44,7 @@ async def engines(servers):
     """A fresh RemoteVllm per server (and empty server caches) for each test."""
     out = [await RemoteVllm.connect(url, max_num_seqs=4, metrics_interval=0.1) for url in servers.urls]
     for e in out:
-        (await e._client.post("/reset_prefix_cache")).raise_for_status()
+        await e.reset_prefix_cache()
     try:
         yield out
     finally:
@@ -129,7 +130,7 @@ async def test_a_gateway_follows_what_another_gateways_requests_cached_through_t
     ours, theirs = await connect(), await connect()
     try:
         for e in ours:
-            (await e._client.post("/reset_prefix_cache")).raise_for_status()
+            await e.reset_prefix_cache()
         await asyncio.sleep(0.5)  # ZMQ subscribers join asynchronously
         async with Gateway(theirs, GatewayConfig(placement=Fixed(1), isolate_tenants=True)) as a, \
                 Gateway(ours, GatewayConfig(placement="cost", isolate_tenants=True)) as b:
@@ -164,7 +165,7 @@ async def test_a_gateway_started_after_a_prefix_was_cached_learns_it_from_the_se
     theirs = [await RemoteVllm.connect(url, max_num_seqs=4, metrics_interval=0.1) for url in servers.urls]
     try:
         for e in theirs:
-            (await e._client.post("/reset_prefix_cache")).raise_for_status()
+            await e.reset_prefix_cache()
         async with Gateway(theirs, GatewayConfig(placement=Fixed(1), isolate_tenants=True)) as a:
             await drain(a.generate(f"{system}\nFirst question?", params(), tenant="t"))
     finally:
@@ -259,7 +260,8 @@ async def test_cancelling_a_stream_aborts_it_on_the_server(engines):
             break
         await asyncio.sleep(0.1)
     assert e.kv_stats().running == 0
-    metrics = parse_metrics((await e._client.get("/metrics")).text)
+    async with httpx.AsyncClient() as client:
+        metrics = parse_metrics((await client.get(f"{e.url}/metrics")).text)
     assert metrics["running"] == 0
 
 

@@ -28,9 +28,11 @@ that fails ``unhealthy_after`` health checks in a row is reported unhealthy to t
 takes it out of placement and re-places what was queued for it; it is reported healthy again
 (and taken back, its cache mirror emptied) once a check passes.
 
-Needs ``httpx``, and ``pyzmq`` with ``msgspec`` for the cache events (the ``remote`` extra; vLLM
-installs all three). What goes over the wire (outputs,
-metrics, ``/tokenize``, errors) is in :mod:`prefixgate.remote_wire`.
+Needs ``aiohttp`` (and ``httpx`` for :class:`~prefixgate.remote_wire.RemoteTokenizer`), and
+``pyzmq`` with ``msgspec`` for the cache events (the ``remote`` extra; vLLM installs them all).
+The streams go over aiohttp rather than httpx because a stream costs the gateway's event loop
+about half the CPU there (0.8 against 1.6 ms for a 32-event stream, ``benchmarks/remote_client.py``).
+What goes over the wire (outputs, metrics, ``/tokenize``, errors) is in :mod:`prefixgate.remote_wire`.
 """
 
 from __future__ import annotations
@@ -70,6 +72,23 @@ _PARAM_ATTRS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", 
                 "include_stop_str_in_output", "n")
 
 
+async def _get_text(client: Any, url: str, timeout: float) -> str:
+    """The body of a ``GET`` that must answer 200 within ``timeout`` seconds.
+
+    Raises:
+        aiohttp.ClientResponseError: It answered another status.
+    """
+    import aiohttp
+
+    async with client.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as reply:
+        reply.raise_for_status()
+        return str(await reply.text(errors="replace"))
+
+
+async def _get_json(client: Any, url: str, timeout: float) -> Any:
+    return json.loads(await _get_text(client, url, timeout))
+
+
 # -- the engine ------------------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -100,7 +119,7 @@ class RemoteVllm:
 
     Args:
         url: The server's base URL (``http://host:port``).
-        client: An ``httpx.AsyncClient`` with ``base_url=url``; closed by :meth:`close`.
+        client: An ``aiohttp.ClientSession`` for ``url``'s calls; closed by :meth:`close`.
         model: The served model's name (sent as ``model``; part of every block key).
         block_size: The server's KV block size.
         num_blocks: KV blocks requests can use (the server's ``num_gpu_blocks`` less its null block).
@@ -133,6 +152,7 @@ class RemoteVllm:
         self._max_num_seqs = max_num_seqs
         self._step_tokens = max_num_batched_tokens
         self._clock = clock or MonotonicClock()
+        self._completions = f"{url}/v1/completions"
         self.metrics_interval = metrics_interval
         self.unhealthy_after = unhealthy_after
         self.timeout = timeout
@@ -201,36 +221,35 @@ class RemoteVllm:
             EngineDead: The server cannot be reached or does not answer as vLLM does.
             ValueError: The server runs without prefix caching, or does not serve ``model``.
         """
-        import httpx
+        import aiohttp
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         url = url.rstrip("/")
-        client = httpx.AsyncClient(
-            base_url=url, headers=headers,
-            timeout=httpx.Timeout(timeout, read=None),  # streams: the stall watchdog bounds them
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        client = aiohttp.ClientSession(
+            headers=headers, connector=aiohttp.TCPConnector(limit=0),
+            # streams: the stall watchdog bounds them, so no total and no read timeout
+            timeout=aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=timeout))
         try:
-            models = await client.get("/v1/models", timeout=timeout)
-            models.raise_for_status()
-            cards = models.json()["data"]
+            cards = (await _get_json(client, f"{url}/v1/models", timeout))["data"]
             card = next((c for c in cards if model is None or c["id"] == model), None)
             if card is None:
                 raise ValueError(f"{url} does not serve {model!r} (it serves "
                                  f"{', '.join(c['id'] for c in cards)})")
-            metrics = await client.get("/metrics", timeout=timeout)
-            metrics.raise_for_status()
-            config = parse_metrics(metrics.text).get("cache_config")
-        except ValueError:
-            await client.aclose()
+            metrics = await _get_text(client, f"{url}/metrics", timeout)
+            config = parse_metrics(metrics).get("cache_config")
+        except ValueError as e:
+            await client.close()
+            if isinstance(e, json.JSONDecodeError):
+                raise EngineDead(f"{url}/v1/models is not JSON: not a vLLM server?") from e
             raise
         except Exception as e:
-            await client.aclose()
+            await client.close()
             raise EngineDead(f"cannot reach a vLLM server at {url}: {type(e).__name__}: {e}") from e
         if not config or "block_size" not in config or "num_gpu_blocks" not in config:
-            await client.aclose()
+            await client.close()
             raise EngineDead(f"{url}/metrics has no vllm:cache_config_info: not a vLLM server?")
         if config.get("enable_prefix_caching") == "False":
-            await client.aclose()
+            await client.close()
             raise ValueError(f"{url} runs without prefix caching (start it with --enable-prefix-caching)")
         if tokenizer is None:
             try:
@@ -247,7 +266,7 @@ class RemoteVllm:
                      tokenizer=tokenizer, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, clock=clock,
                      metrics_interval=metrics_interval, unhealthy_after=unhealthy_after, timeout=timeout)
-        engine._record(parse_metrics(metrics.text), engine._clock.now())
+        engine._record(parse_metrics(metrics), engine._clock.now())
         engine._monitor = asyncio.ensure_future(engine._watch())
         if kv_events is not None:
             engine._follow(kv_events, kv_events_topic, kv_events_replay)
@@ -486,7 +505,7 @@ class RemoteVllm:
         return Completion(done.finish_reason == "abort", output.num_cached_tokens, done.token_ids)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
-        import httpx
+        import aiohttp
 
         if self._closed:
             raise EngineDead(f"RemoteVllm({self.url}) is closed")
@@ -511,44 +530,54 @@ class RemoteVllm:
         cached: int | None = None
         started = False
         try:
-            async with self._client.stream("POST", "/v1/completions", json=body) as response:
+            async with self._client.post(self._completions, json=body) as response:
                 live.response = response
                 if live.aborted:  # aborted before the server answered: closing the stream ends it
                     yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text, "abort"),), True, cached)
                     return
-                if response.status_code != 200:
-                    raise http_error(rid, response.status_code, (await response.aread()).decode(
+                if response.status != 200:
+                    raise http_error(rid, response.status, (await response.read()).decode(
                         "utf-8", "replace"), response.headers.get("retry-after"))
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                pending = b""  # an event's lines may come in several reads, and one read may hold many
+                done = False
+                async for data in response.content.iter_any():
+                    *lines, pending = (pending + data).split(b"\n")
+                    for line in lines:
+                        if not line.startswith(b"data:"):
+                            continue
+                        event = line[5:].strip()
+                        if event == b"[DONE]":
+                            done = True
+                            break
+                        chunk = json.loads(event)
+                        if "error" in chunk:
+                            raise EngineError(f"{self.url} failed on {rid}: {chunk['error']}")
+                        usage = chunk.get("usage")
+                        if usage:
+                            details = usage.get("prompt_tokens_details") or {}
+                            cached = details.get("cached_tokens", cached)
+                        for choice in chunk.get("choices") or ():
+                            ids.extend(choice.get("token_ids") or ())
+                            text.append(choice.get("text") or "")
+                            reason = choice.get("finish_reason") or reason
+                            if reason is None:
+                                started = True
+                                yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text),), False)
+                    if done:
                         break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise EngineError(f"{self.url} failed on {rid}: {chunk['error']}")
-                    usage = chunk.get("usage")
-                    if usage:
-                        details = usage.get("prompt_tokens_details") or {}
-                        cached = details.get("cached_tokens", cached)
-                    for choice in chunk.get("choices") or ():
-                        ids.extend(choice.get("token_ids") or ())
-                        text.append(choice.get("text") or "")
-                        reason = choice.get("finish_reason") or reason
-                        if reason is None:
-                            started = True
-                            yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text),), False)
+                if live.aborted:  # closed by abort(): the stream just ends
+                    yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text, "abort"),), True, cached)
+                    return
             if reason is None:
                 raise EngineError(f"{self.url} ended {rid}'s stream without a finish reason")
             yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text, reason),), True, cached)
         except PrefixgateError:
             raise
-        except (httpx.HTTPError, OSError) as e:
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
             if live.aborted:
                 yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text, "abort"),), True, cached)
                 return
-            if isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
+            if isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ConnectionTimeoutError):
                 raise EngineError(f"{self.url} timed out on {rid}: {type(e).__name__}") from e
             what = "mid-stream" if started else "before answering"
             raise EngineDead(f"lost {self.url} {what} on {rid}: {type(e).__name__}: {e}") from e
@@ -565,7 +594,27 @@ class RemoteVllm:
         if live is not None:
             live.aborted = True  # before the server answers: the stream ends as soon as it does
             if live.response is not None:
-                await live.response.aclose()
+                live.response.close()  # drops the connection: the server sees its client go
+
+    async def reset_prefix_cache(self) -> None:
+        """Asks the server to drop every cached block (vLLM's ``POST /reset_prefix_cache``; the
+        server refuses while requests run). The gateway's mirrors of its cache are not told:
+        for benchmarks between runs, with the gateway idle.
+
+        Raises:
+            EngineError: The server refused or could not be reached.
+        """
+        import aiohttp
+
+        try:
+            async with self._client.post(f"{self.url}/reset_prefix_cache",
+                                         timeout=aiohttp.ClientTimeout(total=self.timeout)) as reply:
+                body = await reply.text(errors="replace")
+                if reply.status != 200:
+                    raise EngineError(f"{self.url} refused to reset its prefix cache "
+                                      f"({reply.status}): {body[:200]}")
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise EngineError(f"cannot reset {self.url}'s prefix cache: {type(e).__name__}: {e}") from e
 
     # -- health and KV stats --------------------------------------------------------------------
 
@@ -589,10 +638,11 @@ class RemoteVllm:
         health = self._health
         sent = self._clock.now()  # the server's state is at least this fresh once it answers
         try:
-            reply, metrics = await asyncio.gather(self._client.get("/health"), self._client.get("/metrics"))
-            ok = bool(reply.status_code == 200 and metrics.status_code == 200)
-            if ok:
-                self._record(parse_metrics(metrics.text), sent)
+            _, metrics = await asyncio.gather(
+                _get_text(self._client, f"{self.url}/health", self.timeout),
+                _get_text(self._client, f"{self.url}/metrics", self.timeout))
+            self._record(parse_metrics(metrics), sent)
+            ok = True
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -631,7 +681,7 @@ class RemoteVllm:
             self._events.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._events
-        await self._client.aclose()
+        await self._client.close()
         if isinstance(self._tokenizer, RemoteTokenizer):
             self._tokenizer.close()
 
