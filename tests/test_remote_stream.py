@@ -193,3 +193,26 @@ async def test_a_server_that_accepts_and_never_answers_fails_its_health_check() 
         engine.watch_health(heard.append)
         assert await asyncio.wait_for(engine.check(), 10) is False  # bounded by timeout=0.2
         assert heard == [False] and not engine.healthy
+
+
+async def test_a_kept_alive_connection_the_server_closed_is_not_taken_for_a_dead_server() -> None:
+    """A server closes idle keep-alive connections on its own clock (uvicorn: 5 s); a request
+    sent on one it had just closed is sent again on a new connection, not failed as
+    ``EngineDead`` (which would take the replica out with everything queued for it)."""
+    connections = 0
+
+    async def one_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        start_stream(writer)
+        chunked(writer, token(1) + token(2) + token(3, "length") + b"data: [DONE]\n\n")
+        writer.write(b"0\r\n\r\n")  # complete: the client keeps the connection for the next request
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # the next request on this connection: dropped unanswered
+
+    async with remote(one_per_connection) as engine:
+        for rid in ("r1", "r2", "r3"):
+            outs = await outputs(engine, rid)
+            assert tuple(outs[-1].outputs[0].token_ids) == (1, 2, 3)
+    assert connections >= 3

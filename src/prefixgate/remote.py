@@ -42,7 +42,7 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,20 @@ _PARAM_ATTRS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", 
                 "include_stop_str_in_output", "n")
 
 
+async def _retried(send: Callable[[], Awaitable[Any]]) -> Any:
+    """``send()``'s response, asked for again once if the server closed the connection before
+    answering: a kept-alive connection the server had just closed (uvicorn closes idle ones
+    after 5 s). A server that is gone fails the second try too. For completions, a request the
+    server did get and lost with its connection was aborted there, so sending it again runs it
+    once."""
+    import aiohttp
+
+    try:
+        return await send()
+    except aiohttp.ServerDisconnectedError:
+        return await send()
+
+
 async def _get_text(client: Any, url: str, timeout: float) -> str:
     """The body of a ``GET`` that must answer 200 within ``timeout`` seconds.
 
@@ -80,7 +94,8 @@ async def _get_text(client: Any, url: str, timeout: float) -> str:
     """
     import aiohttp
 
-    async with client.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as reply:
+    reply = await _retried(lambda: client.get(url, timeout=aiohttp.ClientTimeout(total=timeout)))
+    async with reply:
         reply.raise_for_status()
         return str(await reply.text(errors="replace"))
 
@@ -226,7 +241,9 @@ class RemoteVllm:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         url = url.rstrip("/")
         client = aiohttp.ClientSession(
-            headers=headers, connector=aiohttp.TCPConnector(limit=0),
+            # idle connections are dropped after 2 s, before the server drops them (uvicorn's
+            # keep-alive is 5 s): one it had just closed fails the next request sent on it
+            headers=headers, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
             # streams: the stall watchdog bounds them, so no total and no read timeout
             timeout=aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=timeout))
         try:
@@ -530,7 +547,8 @@ class RemoteVllm:
         cached: int | None = None
         started = False
         try:
-            async with self._client.post(self._completions, json=body) as response:
+            response = await _retried(lambda: self._client.post(self._completions, json=body))
+            async with response:
                 live.response = response
                 if live.aborted:  # aborted before the server answered: closing the stream ends it
                     yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text, "abort"),), True, cached)
