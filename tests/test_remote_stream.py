@@ -216,3 +216,32 @@ async def test_a_kept_alive_connection_the_server_closed_is_not_taken_for_a_dead
             outs = await outputs(engine, rid)
             assert tuple(outs[-1].outputs[0].token_ids) == (1, 2, 3)
     assert connections >= 3
+
+
+async def test_a_server_too_busy_to_take_a_connection_refuses_the_request_and_stays_in() -> None:
+    """A server whose accept queue is full (a burst larger than its listen backlog, its event
+    loop busy) does not take the connection within ``timeout``: that one request is refused
+    with a retry-after, as a 429 would be, and the server is not taken for dead."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # never accepted: once its queue is full, connections wait unanswered
+    host, port = listener.getsockname()
+    fillers = []
+    for _ in range(8):
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex((host, port))
+        fillers.append(filler)
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=0.3, sock_connect=0.3))
+    engine = RemoteVllm(f"http://{host}:{port}", session, model="m", block_size=4, num_blocks=64,
+                        max_model_len=512, tokenizer=ByteTokenizer(), timeout=0.3)
+    try:
+        with pytest.raises(Overloaded, match="did not take a connection") as refused:
+            await asyncio.wait_for(outputs(engine), 10)  # a hang guard, not a timing claim
+        assert refused.value.retry_after > 0
+    finally:
+        await engine.close()
+        for s in (*fillers, listener):
+            s.close()

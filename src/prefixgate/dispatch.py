@@ -440,6 +440,7 @@ class Dispatcher:
     def _on_dead(self, error: EngineDead) -> None:
         """The engine died: refuse everything from now on and fail what waits at once."""
         if self.replica.mark_dead(error):
+            log.warning("prefixgate: %r is out: %s", self.replica.engine, error)
             for ticket in self.scheduler.waiting():
                 self.fail(ticket, EngineDead("the engine has died"))
 

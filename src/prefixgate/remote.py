@@ -49,7 +49,7 @@ from typing import Any
 from .cache_events import CacheEvent, CacheListeners
 from .clock import Clock, MonotonicClock
 from .engine import Completion, EngineRequest, KvStats, SamplingCheck, Tokenizer, check_max_tokens
-from .errors import EngineDead, EngineError, InvalidRequest, PrefixgateError
+from .errors import EngineDead, EngineError, InvalidRequest, Overloaded, PrefixgateError, Reason
 from .remote_wire import (
     SAMPLING_FIELDS,
     RemoteCompletion,
@@ -595,7 +595,10 @@ class RemoteVllm:
             if live.aborted:
                 yield RemoteOutput(rid, prompt, (RemoteCompletion(ids, text, "abort"),), True, cached)
                 return
-            if isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ConnectionTimeoutError):
+            if isinstance(e, aiohttp.ConnectionTimeoutError):  # busy, not gone: health checks judge that
+                raise Overloaded(f"{self.url} did not take a connection for {rid} within {self.timeout:g} s",
+                                 retry_after=1.0, reason=Reason.ENGINE_BUSY) from e
+            if isinstance(e, TimeoutError):
                 raise EngineError(f"{self.url} timed out on {rid}: {type(e).__name__}") from e
             what = "mid-stream" if started else "before answering"
             raise EngineDead(f"lost {self.url} {what} on {rid}: {type(e).__name__}: {e}") from e
