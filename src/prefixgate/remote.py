@@ -618,9 +618,9 @@ class RemoteVllm:
                 live.response.close()  # drops the connection: the server sees its client go
 
     async def reset_prefix_cache(self) -> None:
-        """Asks the server to drop every cached block (vLLM's ``POST /reset_prefix_cache``; the
-        server refuses while requests run). The gateway's mirrors of its cache are not told:
-        for benchmarks between runs, with the gateway idle.
+        """Asks the server to drop every cached block (vLLM's ``POST /reset_prefix_cache``, served
+        when the server runs with ``VLLM_SERVER_DEV_MODE=1``). The gateway's mirrors of its cache
+        are not told: for benchmarks between runs, with the gateway idle.
 
         Raises:
             EngineError: The server refused or could not be reached.
