@@ -102,12 +102,10 @@ async def _measure(url: str, arm: str, streams: int) -> dict[str, float]:
         async def close() -> None:
             await client.aclose()
     else:
-        import aiohttp
+        from prefixgate.remote import http_session
 
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                        timeout=aiohttp.ClientTimeout(total=None, connect=30))
-        engine = RemoteVllm(url, session, model="m", block_size=16, num_blocks=100_000, max_model_len=8192,
-                            tokenizer=None)  # type: ignore[arg-type]
+        engine = RemoteVllm(url, http_session(30.0), model="m", block_size=16, num_blocks=100_000,
+                            max_model_len=8192, tokenizer=None)  # type: ignore[arg-type]
 
         async def one() -> int:
             n = 0
