@@ -161,15 +161,12 @@ class VllmServers:
                     env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[i * len(cores) // self.n])
                 self._envs.append(env)
                 log = Path(self._dir) / f"server-{i}.log"
-                with open(log, "wb") as out:
-                    events_port = free_port() if self.kv_events else None
-                    replay_port = free_port() if self.kv_events else None
-                    if events_port is not None:
-                        self.event_endpoints.append(f"tcp://127.0.0.1:{events_port}")
-                        self.replay_endpoints.append(f"tcp://127.0.0.1:{replay_port}")
-                    self._procs.append(subprocess.Popen(
-                        self.command(port, events_port, replay_port), stdout=out, stderr=subprocess.STDOUT,
-                        env=env, start_new_session=True, preexec_fn=_die_with_parent))
+                events_port = free_port() if self.kv_events else None
+                replay_port = free_port() if self.kv_events else None
+                if events_port is not None:
+                    self.event_endpoints.append(f"tcp://127.0.0.1:{events_port}")
+                    self.replay_endpoints.append(f"tcp://127.0.0.1:{replay_port}")
+                self._procs.append(self._spawn(port, events_port, replay_port, env, log, "wb"))
                 self.urls.append(f"http://127.0.0.1:{port}")
                 self.logs.append(log)
                 if self.sequential:
@@ -181,6 +178,14 @@ class VllmServers:
             self.stop()
             raise
         return self
+
+    def _spawn(self, port: int, events_port: int | None, replay_port: int | None, env: dict[str, str],
+               log: Path, mode: str) -> subprocess.Popen[bytes]:
+        """Starts one server process, its output to ``log`` (opened with ``mode``)."""
+        with open(log, mode) as out:
+            return subprocess.Popen(self.command(port, events_port, replay_port), stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
 
     def _wait_started(self, i: int, deadline: float) -> None:
         """Waits for server ``i``'s first start; one that exits while starting is started once
@@ -199,10 +204,7 @@ class VllmServers:
                 self.event_endpoints[i] = f"tcp://127.0.0.1:{events_port}"
                 self.replay_endpoints[i] = f"tcp://127.0.0.1:{replay_port}"
             self.kill(i)
-            with open(self.logs[i], "ab") as out:
-                self._procs[i] = subprocess.Popen(
-                    self.command(port, events_port, replay_port), stdout=out, stderr=subprocess.STDOUT,
-                    env=self._envs[i], start_new_session=True, preexec_fn=_die_with_parent)
+            self._procs[i] = self._spawn(port, events_port, replay_port, self._envs[i], self.logs[i], "ab")
             self._wait(i, self.urls[i], time.monotonic() + self.start_timeout)
 
     def _wait(self, i: int, url: str, deadline: float) -> None:
@@ -243,10 +245,7 @@ class VllmServers:
         for p in (port, events_port, replay_port):
             while p is not None and not _port_free(p) and time.monotonic() < deadline:
                 time.sleep(0.2)
-        with open(self.logs[i], "ab") as out:
-            self._procs[i] = subprocess.Popen(self.command(port, events_port, replay_port), stdout=out,
-                                              stderr=subprocess.STDOUT, env=self._envs[i],
-                                              start_new_session=True, preexec_fn=_die_with_parent)
+        self._procs[i] = self._spawn(port, events_port, replay_port, self._envs[i], self.logs[i], "ab")
         self._wait(i, self.urls[i], time.monotonic() + self.start_timeout)
 
     def kill(self, i: int) -> None:
