@@ -472,8 +472,9 @@ async def run_pair(trace: Any, pool: Replicas, arm: str = "L", seed: int = 0,
 async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_tokens: int, kv_share: float,
              tokenizer: Any, pair: bool = False, groups: int | None = None,
              pool: Replicas | None = None, arrival_spread: float = 0.0,
-             cache_events: bool = False, arms: Sequence[str] = ARMS) -> dict[str, Any]:
-    """Every arm ``repeats`` times (seeds 0..) on one replica count and popularity; with
+             cache_events: bool = False, arms: Sequence[str] = ARMS,
+             first_seed: int = 0) -> dict[str, Any]:
+    """Every arm ``repeats`` times (seeds ``first_seed``..) on one replica count and popularity; with
     ``pair``, also two independent gateways (:func:`run_pair`) for ``L`` and ``L ring``. On
     ``pool``'s engines (real ones), else on simulators whose KV is ``kv_share`` times a replica's
     share of the working set (publishing their cache events with ``cache_events``). Requests are
@@ -486,7 +487,7 @@ async def run_case(replicas: int, popularity: str, *, repeats: int, prefix_token
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     ceilings: list[float] = []
     pairs_raw: dict[str, list[dict[str, Any]]] = {a: [] for a in ("L", "L ring") if a in arms}
-    for seed in range(repeats):
+    for seed in range(first_seed, first_seed + repeats):
         trace = _trace(groups, popularity, prefix_tokens, seed, tokenizer)
         working_set = len({r.group for r in trace.requests}) * prefix_tokens
         engines = pool
@@ -636,7 +637,7 @@ async def _cases(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any
                     kv_share=args.kv_share, tokenizer=tokenizer, groups=args.groups,
                     pair=not args.no_pair and (popularity == "zipf" or args.pair_even), pool=pool,
                     arrival_spread=args.arrival_spread, cache_events=args.cache_events,
-                    arms=args.arms))
+                    arms=args.arms, first_seed=args.first_seed))
                 print(format_table(cases[-1:]), flush=True)
                 if args.json:  # so far, in case a later case does not finish
                     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -654,6 +655,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, nargs="+", default=[4, 16, 64])
     p.add_argument("--popularity", nargs="+", default=["zipf", "even"], choices=["zipf", "even"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="run seeds first-seed .. first-seed + repeats - 1 (a case's seeds split over runs)")
     p.add_argument("--prefix-tokens", type=int, default=4096)
     p.add_argument("--kv-share", type=float, default=1.5,
                    help="each replica's KV over its share of the working set (the prefixes / N)")
